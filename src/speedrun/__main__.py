@@ -1,0 +1,5 @@
+import sys
+
+from speedrun.cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""Experiment infrastructure: jobs of N machines as Python code, run in tmux, over SSH."""

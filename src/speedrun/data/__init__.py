@@ -1,0 +1,38 @@
+"""Data sources: Fashion-MNIST (the demo), image folders (ImageNet layout), synthetic tensors.
+
+`build_source` picks the one a recipe names. Each source follows the contract in `data.base`.
+"""
+from __future__ import annotations
+
+import torch
+
+from speedrun.data.base import Batch, DataSource, Shard, TrainStream, normalize_on_device
+from speedrun.errors import SpeedrunError
+from speedrun.recipe import Recipe
+
+__all__ = ["Batch", "DataSource", "Shard", "TrainStream", "build_source", "normalize_on_device"]
+
+
+def build_source(recipe: Recipe, path: str | None, device: torch.device, workers: int | None = None) -> DataSource:
+    """The data source for `recipe.dataset`, reading from `path` (None: the source's default).
+
+    `workers` is the number of decode processes per device for sources that decode files
+    (None: chosen from the machine's cores).
+    """
+    if recipe.dataset == "fashion-mnist":
+        from speedrun.data.fashion_mnist import FashionMNIST
+
+        return FashionMNIST(path, device, train_examples=recipe.train_examples, val_examples=recipe.val_examples)
+    if recipe.dataset == "synthetic":
+        from speedrun.data.synthetic import SyntheticSource
+
+        return SyntheticSource(device, train_examples=recipe.train_examples, val_examples=recipe.val_examples)
+    if recipe.dataset == "imagefolder":
+        from speedrun.data.imagefolder import ImageFolderSource
+
+        if path is None:
+            raise SpeedrunError(f"recipe {recipe.name!r} reads an image folder: give its root with --data PATH")
+        return ImageFolderSource(
+            path, workers=workers, train_examples=recipe.train_examples, val_examples=recipe.val_examples
+        )
+    raise SpeedrunError(f"unknown dataset {recipe.dataset!r} (choose from fashion-mnist, imagefolder, synthetic)")

@@ -1,0 +1,107 @@
+"""What every data source gives the training loop.
+
+A source yields batches as (images, labels): images are uint8 tensors N x C x H x W (never
+converted to float on the CPU: that is 4x the bytes to move), labels int64 tensors N. The loop
+moves them to the device and normalises there (`normalize_on_device`).
+
+Sharding rules, shared by all sources so that N processes see exactly what one process sees:
+- Training: every epoch, one permutation of the training set drawn from (seed, epoch), the
+  same on every rank; rank r takes positions r, r + world, r + 2*world, ... of it, then cuts
+  whole batches (drop_last). Step s of the union of all ranks is step s of one process with
+  a world-times-larger batch. Per-sample augmentation randomness depends on (seed, epoch,
+  sample), not on the rank.
+- Validation: the (possibly aspect-sorted) list of validation samples is cut into batches first,
+  then each rank takes a contiguous run of those batches; a rank may get fewer or none. Every
+  sample is evaluated exactly once, whatever the world size.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from speedrun.recipe import Phase
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Which part of the data this process reads."""
+
+    rank: int = 0
+    world_size: int = 1
+
+
+class TrainStream(Protocol):
+    """Training batches for one data setting (`Phase.data_key`).
+
+    `batch_size` may be changed between epochs without rebuilding anything (no new dataset,
+    no new loader workers): that is how a batch-size-only phase change is done.
+    """
+
+    batch_size: int
+
+    def set_epoch(self, epoch: int) -> None: ...
+
+    def __len__(self) -> int: ...  # steps per epoch on this rank
+
+    def __iter__(self) -> Iterator[Batch]: ...
+
+    def close(self) -> None: ...
+
+
+class DataSource(Protocol):
+    """A dataset with a train and a validation split, able to feed any phase."""
+
+    name: str
+    num_classes: int
+    channels: int
+    mean: Sequence[float]  # per channel, in 0..255 units
+    std: Sequence[float]
+    num_train: int  # examples in the training split (after any recipe subset)
+    num_val: int
+
+    def train_stream(self, phase: Phase, shard: Shard, seed: int) -> TrainStream: ...
+
+    def val_batches(self, size: int, batch_size: int, rect: bool, shard: Shard) -> Iterable[Batch]: ...
+
+    def close(self) -> None: ...
+
+
+def split_batches_contiguously(num_batches: int, shard: Shard) -> range:
+    """The contiguous run of batch indices rank `shard.rank` evaluates (possibly empty)."""
+    per_rank = -(-num_batches // shard.world_size)
+    start = min(shard.rank * per_rank, num_batches)
+    return range(start, min(start + per_rank, num_batches))
+
+
+def epoch_permutation(num_examples: int, seed: int, epoch: int) -> torch.Tensor:
+    """The order of the training set in `epoch`; the same on every rank."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(num_examples, generator=g)
+
+
+def rank_indices(order: torch.Tensor, shard: Shard, batch_size: int) -> torch.Tensor:
+    """This rank's share of an epoch's order, cut to whole batches (equal on all ranks)."""
+    steps = len(order) // shard.world_size // batch_size
+    return order[shard.rank :: shard.world_size][: steps * batch_size]
+
+
+def normalize_on_device(
+    images: torch.Tensor,
+    mean: torch.Tensor,
+    std: torch.Tensor,
+    device: torch.device,
+    channels_last: bool = False,
+) -> torch.Tensor:
+    """uint8 N x C x H x W (any device) -> normalised float32 on `device`.
+
+    `mean` and `std` are C x 1 x 1 tensors already on `device`, in 0..255 units.
+    """
+    x = images.to(device, non_blocking=True)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    return x.float().sub_(mean).div_(std)
