@@ -2,18 +2,133 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from speedrun.recipe import RecipeError, load_recipe
+from speedrun.errors import SpeedrunError
+from speedrun.recipe import Recipe, RecipeError, Target, load_recipe
+
+EXIT_TRAINING_FAILED = 3
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the trainer's commands to the top-level parser."""
+    p = sub.add_parser(
+        "train",
+        help="train a recipe (the default: fashion-mnist)",
+        description="Train a recipe to its end or its target. Under torchrun, each process trains on one device.",
+        epilog="Exit codes: 0 finished (results.json says whether the target was reached), 2 bad input, "
+        "3 training failed (non-finite loss, a rank died), 130 interrupted.",
+    )
+    p.add_argument("--recipe", default=None, metavar="NAME|FILE", help="built-in recipe name or a .py file defining `recipe` (default: fashion-mnist)")
+    p.add_argument("--data", default=None, metavar="PATH", help="dataset location (default: the dataset's own lookup)")
+    p.add_argument("--target", default=None, metavar="METRIC=VALUE", help="stop at this accuracy, e.g. top5=0.93 or top1=92; 'none' runs every epoch")
+    p.add_argument("--epochs", type=int, default=None, metavar="N", help="cut (or stretch) the recipe to N epochs")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--out", type=Path, default=None, metavar="DIR", help="run directory (default: runs/<recipe>-<date>-<time>)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--deterministic", action="store_true", help="deterministic kernels: the same numbers run after run")
+    p.add_argument("--workers", type=int, default=None, metavar="N", help="decode processes per device for image folders")
+    p.add_argument("--log-every", type=int, default=50, metavar="STEPS", help="steps between train-loss records (default 50)")
+    p.add_argument("--checkpoint-every", type=int, default=1, metavar="EPOCHS", help="epochs between checkpoints, 0 for none (default 1)")
+    p.add_argument("--nproc-per-node", type=int, default=None, metavar="N", help="start N processes on this machine through torchrun")
+    p.add_argument("--sync-bn", action="store_true", help="synchronise BatchNorm statistics across processes")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0, metavar="MB", help="DDP gradient bucket size (default 25)")
+    p.add_argument("--bf16-grads", action="store_true", help="all-reduce gradients in bf16 (CUDA)")
+    p.set_defaults(func=cmd_train)
+
     p = sub.add_parser("recipes", help="list the built-in recipes, or print one as a table")
     p.add_argument("name", nargs="?", help="a built-in recipe name or a recipe .py file")
     p.set_defaults(func=cmd_recipes)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from speedrun.recipes import DEFAULT
+
+    recipe = load_recipe(args.recipe or DEFAULT)
+    if args.epochs is not None:
+        recipe = recipe.with_epochs(args.epochs)
+    if args.target is not None:
+        target = None if args.target.lower() == "none" else Target.parse(args.target)
+        recipe = dataclasses.replace(recipe, target=target)
+    recipe.validate()
+    for name in ("log_every", "nproc_per_node", "workers"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise SpeedrunError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if args.checkpoint_every < 0:
+        raise SpeedrunError(f"--checkpoint-every must be 0 or more, got {args.checkpoint_every}")
+    if args.nproc_per_node:
+        return launch_local_processes(args, recipe)
+
+    from speedrun.engine import TrainConfig, TrainingFailed, train
+
+    cfg = TrainConfig(
+        recipe=recipe,
+        out=args.out,
+        data=args.data,
+        device=args.device,
+        resume=args.resume,
+        compile=args.compile,
+        seed=args.seed,
+        deterministic=args.deterministic,
+        workers=args.workers,
+        log_every=args.log_every,
+        checkpoint_every=args.checkpoint_every,
+        sync_bn=args.sync_bn,
+        bucket_cap_mb=args.bucket_cap_mb,
+        bf16_grads=args.bf16_grads,
+        process_start=process_start_time(),
+    )
+    try:
+        results = train(cfg)
+    except TrainingFailed as e:
+        print(f"speedrun: training failed: {e}", file=sys.stderr)
+        return EXIT_TRAINING_FAILED
+    return 0 if results["status"] in ("finished", "target_reached") else EXIT_TRAINING_FAILED
+
+
+def process_start_time() -> float:
+    """When this run began: the launcher's start when `--nproc-per-node` started us, else the
+    moment the command line was read (after Python and speedrun's imports)."""
+    return float(os.environ.get("SPEEDRUN_PROCESS_START", time.time()))
+
+
+def launch_local_processes(args: argparse.Namespace, recipe: Recipe) -> int:
+    """Re-run this command under torchrun with N processes on this machine."""
+    from speedrun.engine import default_run_dir
+
+    forwarded = strip_option(args.argv, "--nproc-per-node")
+    if args.out is None:  # fix the name here, so that every process writes to the same place
+        forwarded += ["--out", str(default_run_dir(recipe.name))]
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc-per-node={args.nproc_per_node}", "-m", "speedrun", *forwarded,
+    ]
+    env = {**os.environ, "SPEEDRUN_PROCESS_START": str(process_start_time())}
+    return subprocess.run(cmd, env=env).returncode
+
+
+def strip_option(argv: list[str], name: str) -> list[str]:
+    """`argv` without `name VALUE` / `name=VALUE`."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == name:
+            skip = True
+        elif not a.startswith(name + "="):
+            out.append(a)
+    return out
 
 
 def cmd_recipes(args: argparse.Namespace) -> int:

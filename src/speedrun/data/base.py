@@ -78,10 +78,15 @@ def split_batches_contiguously(num_batches: int, shard: Shard) -> range:
     return range(start, min(start + per_rank, num_batches))
 
 
+def epoch_generator(seed: int, epoch: int, stream: int = 0) -> torch.Generator:
+    """A CPU random generator for one (seed, epoch) and one purpose (`stream`: 0 = the order,
+    1 = augmentation, ...), so that random draws never depend on the rank or on what ran before."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + epoch) * 16 + stream)
+
+
 def epoch_permutation(num_examples: int, seed: int, epoch: int) -> torch.Tensor:
     """The order of the training set in `epoch`; the same on every rank."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    return torch.randperm(num_examples, generator=g)
+    return torch.randperm(num_examples, generator=epoch_generator(seed, epoch, 0))
 
 
 def rank_indices(order: torch.Tensor, shard: Shard, batch_size: int) -> torch.Tensor:

@@ -1,0 +1,198 @@
+"""Models: build one by name, make any CNN size-agnostic, and initialise it as the record did.
+
+Names resolve in this order: speedrun's own small models (`resnet-fmnist`, `resnet-fmnist-tiny`),
+then torchvision's (`resnet50`, ...), then timm's (`timm/resnet50d`, or any name timm knows).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import torchvision
+from torch import nn
+
+from speedrun.errors import SpeedrunError
+
+
+class BasicBlock(nn.Module):
+    """Two 3x3 convolutions with a residual connection (He et al. 2016)."""
+
+    def __init__(self, in_channels: int, out_channels: int, stride: int = 1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, out_channels, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(out_channels)
+        self.conv2 = nn.Conv2d(out_channels, out_channels, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(out_channels)
+        self.shortcut = nn.Identity()
+        if stride != 1 or in_channels != out_channels:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(in_channels, out_channels, 1, stride, bias=False), nn.BatchNorm2d(out_channels)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.relu(self.bn1(self.conv1(x)), inplace=True)
+        out = self.bn2(self.conv2(out))
+        return F.relu(out + self.shortcut(x), inplace=True)
+
+
+class SmallResNet(nn.Module):
+    """A ResNet for small images (28 px Fashion-MNIST): a 3x3 stem at full resolution, then one
+    stage per entry of `widths[1:]`, each halving the resolution. Global average pooling makes it
+    take any input size, which progressive resizing needs."""
+
+    def __init__(self, widths: tuple[int, ...], blocks_per_stage: int = 1, in_chans: int = 1, num_classes: int = 10):
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(in_chans, widths[0], 3, 1, 1, bias=False), nn.BatchNorm2d(widths[0]), nn.ReLU(inplace=True)
+        )
+        stages = []
+        for w_in, w_out in zip(widths[:-1], widths[1:]):
+            blocks = [BasicBlock(w_in, w_out, stride=2)]
+            blocks += [BasicBlock(w_out, w_out) for _ in range(blocks_per_stage - 1)]
+            stages.append(nn.Sequential(*blocks))
+        self.stages = nn.Sequential(*stages)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(widths[-1], num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.flatten(self.pool(self.stages(self.stem(x))), 1))
+
+
+# speedrun's own models: name -> constructor(in_chans, num_classes)
+OWN_MODELS = {
+    "resnet-fmnist": lambda in_chans, num_classes: SmallResNet((16, 32, 64), 1, in_chans, num_classes),
+    "resnet-fmnist-tiny": lambda in_chans, num_classes: SmallResNet((8, 16, 32), 1, in_chans, num_classes),
+}
+
+
+def list_models() -> list[str]:
+    """speedrun's own model names followed by torchvision's classification models."""
+    return sorted(OWN_MODELS) + sorted(torchvision.models.list_models(module=torchvision.models))
+
+
+def build_model(name: str, num_classes: int, in_chans: int = 3) -> nn.Module:
+    """A freshly initialised classifier: `name` from speedrun, torchvision or timm (see module
+    docstring), with `in_chans` input channels and `num_classes` outputs, made size-agnostic,
+    with zero-initialised residual BatchNorms and an N(0, 0.01) final layer."""
+    if name in OWN_MODELS:
+        model = OWN_MODELS[name](in_chans, num_classes)
+    elif not name.startswith("timm/") and name in torchvision.models.list_models(module=torchvision.models):
+        model = torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+        if in_chans != 3:
+            _replace_first_conv(model, in_chans)
+        model = make_size_agnostic(model)
+    else:
+        import timm
+
+        timm_name = name.removeprefix("timm/")
+        if not timm.is_model(timm_name):
+            raise SpeedrunError(
+                f"unknown model {name!r}: not one of speedrun's ({', '.join(OWN_MODELS)}), "
+                "torchvision's or timm's (try `python -c 'import timm; print(timm.list_models())'`)"
+            )
+        model = timm.create_model(timm_name, pretrained=False, num_classes=num_classes, in_chans=in_chans)
+    zero_init_residual_bn(model)
+    init_classifier(model)
+    return model
+
+
+def _replace_first_conv(model: nn.Module, in_chans: int) -> None:
+    for parent in model.modules():
+        for child_name, child in parent.named_children():
+            if isinstance(child, nn.Conv2d):
+                setattr(
+                    parent,
+                    child_name,
+                    nn.Conv2d(
+                        in_chans,
+                        child.out_channels,
+                        child.kernel_size,
+                        child.stride,
+                        child.padding,
+                        child.dilation,
+                        child.groups,
+                        child.bias is not None,
+                    ),
+                )
+                return
+
+
+_FIXED_POOLS = {nn.AvgPool2d: nn.AdaptiveAvgPool2d, nn.MaxPool2d: nn.AdaptiveMaxPool2d}
+
+
+@torch.no_grad()
+def make_size_agnostic(model: nn.Module, reference_size: int | tuple[int, int] = 224, in_chans: int | None = None) -> nn.Module:
+    """Make a CNN accept any input size by replacing its last fixed pooling layer with adaptive
+    pooling to the same output size. Modifies `model` in place and returns it.
+
+    The 2018 code did this to ResNet's `AvgPool2d(7)` so that one model trains at 128, 224 and
+    288 px. The last pooling layer is found by running one image of `reference_size` pixels (the
+    size the model was designed for) through the model; its output size there (1 x 1 for a global
+    pool, 7 x 7 for VGG-style heads) is what the adaptive layer keeps producing at every other size.
+    Models whose last pool is already adaptive are left unchanged.
+    """
+    height, width = (reference_size, reference_size) if isinstance(reference_size, int) else reference_size
+    if in_chans is None:
+        first_conv = next((m for m in model.modules() if isinstance(m, nn.Conv2d)), None)
+        in_chans = first_conv.in_channels if first_conv is not None else 3
+    seen: list[tuple[nn.Module, tuple[int, int]]] = []
+    hooks = [
+        m.register_forward_hook(lambda mod, inp, out: seen.append((mod, tuple(out.shape[-2:]))))
+        for m in model.modules()
+        if isinstance(m, tuple(_FIXED_POOLS) + (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d))
+    ]
+    was_training = model.training
+    try:
+        model.eval()
+        model(torch.zeros(1, in_chans, height, width))
+    finally:
+        for h in hooks:
+            h.remove()
+        model.train(was_training)
+    if not seen:
+        return model
+    last, out_size = seen[-1]
+    adaptive = _FIXED_POOLS.get(type(last))
+    if adaptive is None:  # already adaptive
+        return model
+    for parent in model.modules():
+        for child_name, child in parent.named_children():
+            if child is last:
+                setattr(parent, child_name, adaptive(out_size))
+    return model
+
+
+def zero_init_residual_bn(model: nn.Module) -> int:
+    """Zero the gamma of the last BatchNorm in every residual block, so each block starts as the
+    identity (Goyal et al. 2017). Knows torchvision's and speedrun's blocks and timm's
+    `zero_init_last`. Returns the number of blocks initialised."""
+    count = 0
+    for m in model.modules():
+        if isinstance(m, torchvision.models.resnet.Bottleneck) and m.bn3.weight is not None:
+            nn.init.zeros_(m.bn3.weight)
+        elif isinstance(m, torchvision.models.resnet.BasicBlock | BasicBlock) and m.bn2.weight is not None:
+            nn.init.zeros_(m.bn2.weight)
+        elif hasattr(m, "zero_init_last") and callable(m.zero_init_last):
+            m.zero_init_last()
+        else:
+            continue
+        count += 1
+    return count
+
+
+def classifier_layer(model: nn.Module) -> nn.Linear | None:
+    """The final fully connected layer: timm's `get_classifier()`, else the last nn.Linear."""
+    if hasattr(model, "get_classifier"):
+        head = model.get_classifier()
+        if isinstance(head, nn.Linear):
+            return head
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    return linears[-1] if linears else None
+
+
+def init_classifier(model: nn.Module, std: float = 0.01) -> None:
+    """Final layer weights ~ N(0, std), bias 0, as in the record's ResNet-50."""
+    fc = classifier_layer(model)
+    if fc is not None:
+        nn.init.normal_(fc.weight, 0.0, std)
+        if fc.bias is not None:
+            nn.init.zeros_(fc.bias)

@@ -1,0 +1,63 @@
+"""Optimizers: SGD with momentum (or LARS), and weight decay only where it helps.
+
+Weight decay on normalisation scales and on biases hurts large-batch training (Jia et al. 2018;
+Goyal et al. 2017 keep it on BN); the record run turned it off for BatchNorm weight and bias.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from speedrun.recipe import OptimizerSettings
+
+_NORMS = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm, nn.LocalResponseNorm)
+
+
+def param_groups(model: nn.Module, weight_decay: float, no_decay: str = "norm_bias") -> list[dict]:
+    """Split parameters into a decayed and an undecayed group.
+
+    no_decay: "norm_bias" - every parameter of a normalisation layer and every bias is undecayed;
+              "bn"        - only BatchNorm weight and bias (what the 2018 code did; conv and
+                            linear biases keep their decay);
+              "none"      - everything is decayed.
+    """
+    decay, undecayed = [], []
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if not param.requires_grad:
+                continue
+            if no_decay == "norm_bias":
+                skip = isinstance(module, _NORMS) or name == "bias"
+            elif no_decay == "bn":
+                skip = isinstance(module, nn.modules.batchnorm._BatchNorm)
+            elif no_decay == "none":
+                skip = False
+            else:
+                raise ValueError(f"unknown no_decay mode {no_decay!r}")
+            (undecayed if skip else decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if undecayed:
+        groups.append({"params": undecayed, "weight_decay": 0.0})
+    return groups
+
+
+def build_optimizer(model: nn.Module, settings: OptimizerSettings, lr: float) -> torch.optim.Optimizer:
+    """SGD with momentum, or LARS (timm's implementation), over `param_groups`.
+
+    LARS adapts the step only of groups with weight decay, so norms and biases take plain SGD
+    steps, as in You et al. 2017 and MLPerf's ResNet-50.
+    """
+    groups = param_groups(model, settings.weight_decay, settings.no_decay)
+    if settings.name == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=settings.momentum, nesterov=settings.nesterov)
+    if settings.name == "lars":
+        from timm.optim import Lars
+
+        return Lars(groups, lr=lr, momentum=settings.momentum, nesterov=settings.nesterov)
+    raise ValueError(f"unknown optimizer {settings.name!r}")
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Set the learning rate of every parameter group."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr

@@ -1,0 +1,157 @@
+"""What a run leaves behind, written by rank 0 only.
+
+Run directory layout (`--out DIR`):
+    tb/events.out.tfevents.*   TensorBoard: train/loss, train/lr, train/images_per_s, train/size,
+                               train/batch_size, train/epoch_s, train/memory_mb, val/loss,
+                               val/top1, val/top5 (x axis: training step, or epoch for epoch values)
+    metrics.jsonl              one JSON line per evaluation
+    steps.jsonl                one JSON line every --log-every training steps (loss, LR)
+    checkpoint.pt              the latest checkpoint (atomic; see speedrun.checkpoint)
+    results.json               the summary: recipe, versions, device, times, best metrics
+    accuracy.png               accuracy against wall time and against epoch
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+
+class Tracker:
+    """Logs to TensorBoard, JSONL files, the console and a progress bar. With `enabled=False`
+    (ranks other than 0) every method does nothing."""
+
+    def __init__(self, run_dir: Path, enabled: bool = True, console: Console | None = None):
+        self.run_dir = Path(run_dir)
+        self.enabled = enabled
+        self.console = console or Console(highlight=False)
+        self._tb = None
+        self._progress: Progress | None = None
+        self._task = None
+        if enabled:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._tb = SummaryWriter(str(self.run_dir / "tb"))
+
+    # -- console ---------------------------------------------------------------------------
+    def print(self, message: str) -> None:
+        if self.enabled:
+            self.console.print(message)
+
+    def start_epoch(self, epoch: int, epochs: int, steps: int, size: int, batch_size: int) -> None:
+        """A progress bar for one epoch (only drawn on a terminal)."""
+        if not self.enabled:
+            return
+        if self._progress is None:
+            self._progress = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[rate]:>8.0f} img/s"),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+                console=self.console,
+                transient=True,
+                disable=not self.console.is_terminal,
+            )
+            self._progress.start()
+        if self._task is not None:
+            self._progress.remove_task(self._task)
+        self._task = self._progress.add_task(
+            f"epoch {epoch + 1}/{epochs} {size}px b{batch_size}", total=steps, rate=0.0
+        )
+
+    def advance(self, images_per_s: float) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, advance=1, rate=images_per_s)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    # -- numbers ---------------------------------------------------------------------------
+    def log_step(self, record: dict[str, Any]) -> None:
+        """One training-step record: step, epoch, loss, lr."""
+        if not self.enabled:
+            return
+        self._tb.add_scalar("train/loss", record["loss"], record["step"])
+        self._tb.add_scalar("train/lr", record["lr"], record["step"])
+        _append_jsonl(self.run_dir / "steps.jsonl", record)
+
+    def log_epoch(self, record: dict[str, Any]) -> None:
+        """One epoch's speed record: step, epoch, size, batch_size, images_per_s, epoch_s, memory_mb."""
+        if not self.enabled:
+            return
+        for key in ("size", "batch_size", "images_per_s", "epoch_s", "memory_mb"):
+            self._tb.add_scalar(f"train/{key}", record[key], record["step"])
+
+    def log_eval(self, record: dict[str, Any]) -> None:
+        """One evaluation: epoch, step, loss, top1, top5, wall_s, size."""
+        if not self.enabled:
+            return
+        for key in ("loss", "top1", "top5"):
+            self._tb.add_scalar(f"val/{key}", record[key], record["step"])
+        self._tb.flush()
+        _append_jsonl(self.run_dir / "metrics.jsonl", record)
+
+    def write_results(self, results: dict[str, Any]) -> None:
+        if self.enabled:
+            write_json_atomic(self.run_dir / "results.json", results)
+
+    def plot(self, evals: list[dict[str, Any]], target: dict | None) -> Path | None:
+        """accuracy.png: top-1 and top-5 against wall-clock minutes and against epoch."""
+        if not self.enabled or not evals:
+            return None
+        return plot_accuracy(evals, target, self.run_dir / "accuracy.png")
+
+
+def plot_accuracy(evals: list[dict[str, Any]], target: dict | None, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    minutes = [e["wall_s"] / 60 for e in evals]
+    epochs = [e["epoch"] + 1 for e in evals]
+    for ax, xs, label in ((axes[0], minutes, "wall time since process start (min)"), (axes[1], epochs, "epoch")):
+        ax.plot(xs, [100 * e["top1"] for e in evals], marker="o", label="top-1")
+        ax.plot(xs, [100 * e["top5"] for e in evals], marker="s", label="top-5")
+        if target:
+            ax.axhline(100 * target["value"], color="gray", linestyle="--", label=f"target {target['metric']}")
+        ax.set_xlabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("validation accuracy (%)")
+    axes[1].legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The records of a JSONL file (empty when it does not exist)."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
