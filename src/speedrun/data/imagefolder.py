@@ -1,0 +1,384 @@
+"""Image folders (ImageNet layout) as a `DataSource`: train streams per phase, validation batches.
+
+Where things are read from:
+- the full-size tree at ROOT (``ROOT/train/<class>/...``, ``ROOT/val/<class>/...``);
+- resized copies made by ``speedrun data prepare``: a phase with ``copy=N`` reads
+  ``COPIES/N/{train,val}``, where COPIES is, in order, the `copies_dir` argument, the
+  environment variable ``SPEEDRUN_COPIES``, or ``<ROOT>-sz`` beside ROOT (the 2018 layout:
+  ``imagenet`` and ``imagenet-sz/160``). A missing copy falls back to the full-size tree with
+  one logged warning. Validation reads the copy of the most recent training phase (as the
+  2018 loader did), or the full-size tree before any.
+
+Batches are uint8 N x C x H x W tensors whose memory is channels-last (N x H x W x C underneath,
+exactly as images decode): no transpose copy on the CPU, and ``.contiguous(channels_last)`` on
+the device is free. Labels are int64.
+
+Decoding runs in DataLoader worker processes (persistent for training, so a batch-size change
+keeps them); a worker decodes a whole batch into one shared-memory buffer. A file that fails to
+decode is logged with its path and counted (`bad_images`); in training its slot is filled by the
+next decodable sample, so batch shapes never change; in validation it is left out of its batch.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, get_worker_info
+
+from speedrun.data.base import Batch, Shard, epoch_permutation, rank_indices, split_batches_contiguously
+from speedrun.data.index import Index, Split, load_index
+from speedrun.data.rect import ValBatch, rect_plan, resize_for, square_plan
+from speedrun.data.transforms import decode_eval, decode_train
+from speedrun.errors import SpeedrunError
+from speedrun.recipe import Phase
+
+log = logging.getLogger("speedrun.data")
+
+# ImageNet statistics in 0..255 units (torchvision's, x 255).
+IMAGENET_MEAN = (123.675, 116.28, 103.53)
+IMAGENET_STD = (58.395, 57.12, 57.375)
+# A run of this many undecodable samples in a row means the data is broken, not a few bad files.
+MAX_SUBSTITUTES = 64
+SUBSET_SEED = 0  # fixed: a recipe's train_examples subset is the same for every run
+
+
+@dataclass(frozen=True)
+class LoaderOptions:
+    """How batches are produced; every field may be overridden by the caller.
+
+    workers: decode processes per device (0 = decode in the calling process).
+    pin_memory: page-locked batches for fast, asynchronous host-to-GPU copies (None: on CUDA).
+    prefetch: batches each worker keeps ready ahead of the loop.
+    draft: JPEG DCT-scaled decoding when the crop allows it.
+    """
+
+    workers: int = 0
+    pin_memory: bool = False
+    prefetch: int = 4
+    draft: bool = True
+
+
+def default_workers() -> int:
+    """Decode processes per device: this machine's usable cores shared by the local ranks."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, min(16, cores // max(local, 1)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Map-style datasets that decode whole batches (DataLoader calls __getitems__ with a batch).
+
+
+def _batch_buffer(shape: tuple[int, ...]) -> torch.Tensor:
+    """A uint8 buffer; in a worker, allocated in shared memory so sending it copies nothing."""
+    buf = torch.empty(shape, dtype=torch.uint8)
+    return buf.share_memory_() if get_worker_info() is not None else buf
+
+
+def _reason(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}".splitlines()[0][:200]
+
+
+def _passthrough(batch):
+    """collate_fn: __getitems__ already returns a finished batch."""
+    return batch
+
+
+class _TrainDecoder(torch.utils.data.Dataset):
+    """Keys are (epoch, row); randomness depends on (seed, epoch, row) only, never on the rank."""
+
+    def __init__(self, root: Path, split: Split, size: int, min_scale: float, seed: int, draft: bool):
+        self.root, self.split, self.size, self.min_scale, self.seed, self.draft = (
+            root, split, size, min_scale, seed, draft)
+
+    def __len__(self) -> int:
+        return len(self.split)
+
+    def __getitems__(self, keys: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor, list]:
+        n, size = len(keys), self.size
+        images = _batch_buffer((n, size, size, 3))
+        pixels = images.numpy()
+        labels = torch.empty(n, dtype=torch.int64)
+        bad: list[tuple[str, str]] = []
+        for i, (epoch, row) in enumerate(keys):
+            for attempt in range(MAX_SUBSTITUTES):
+                # A bad file's slot takes the next row: deterministic, and the batch keeps its shape.
+                r = (row + attempt) % len(self.split)
+                path = str(self.root / self.split.path(r))
+                rng = random.Random(f"{self.seed}/{epoch}/{r}")
+                try:
+                    decode_train(path, size, self.min_scale, rng, self.draft, out=pixels[i])
+                except Exception as e:  # any decode failure: count it, use another sample
+                    bad.append((path, _reason(e)))
+                    continue
+                labels[i] = int(self.split.labels[r])
+                break
+            else:
+                raise SpeedrunError(f"{MAX_SUBSTITUTES} undecodable images in a row from {path}: is the data intact?")
+        return images.permute(0, 3, 1, 2), labels, bad
+
+    def __getitem__(self, key):
+        return self.__getitems__([key])
+
+
+class _EvalDecoder(torch.utils.data.Dataset):
+    """Keys are (row, height, width): each batch has the output shape of its plan entry."""
+
+    def __init__(self, root: Path, split: Split, resize: int, draft: bool):
+        self.root, self.split, self.resize, self.draft = root, split, resize, draft
+
+    def __len__(self) -> int:
+        return len(self.split)
+
+    def __getitems__(self, keys: Sequence[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor, list]:
+        _, height, width = keys[0]
+        images = _batch_buffer((len(keys), height, width, 3))
+        pixels = images.numpy()
+        labels = torch.empty(len(keys), dtype=torch.int64)
+        bad, kept = [], 0
+        for row, _, _ in keys:
+            path = str(self.root / self.split.path(row))
+            try:
+                decode_eval(path, self.resize, height, width, self.draft, out=pixels[kept])
+            except Exception as e:  # left out of the metrics, counted and logged
+                bad.append((path, _reason(e)))
+                continue
+            labels[kept] = int(self.split.labels[row])
+            kept += 1
+        return images[:kept].permute(0, 3, 1, 2), labels[:kept], bad
+
+    def __getitem__(self, key):
+        return self.__getitems__([key])
+
+
+# ---------------------------------------------------------------------------------------------
+# Samplers
+
+
+class _EpochBatchSampler:
+    """This rank's training batches of the current epoch, per the rules in `data.base`.
+
+    `epoch` and `batch_size` are read when iteration starts, so the trainer can change them
+    between epochs while the DataLoader (and its persistent workers) stays.
+    """
+
+    def __init__(self, num: int, shard: Shard, seed: int, batch_size: int):
+        self.num, self.shard, self.seed, self.batch_size, self.epoch = num, shard, seed, batch_size, 0
+
+    def __len__(self) -> int:
+        return self.num // self.shard.world_size // self.batch_size
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        epoch, bs = self.epoch, self.batch_size
+        rows = rank_indices(epoch_permutation(self.num, self.seed, epoch), self.shard, bs).tolist()
+        for i in range(0, len(rows), bs):
+            yield [(epoch, r) for r in rows[i : i + bs]]
+
+
+# ---------------------------------------------------------------------------------------------
+# The stream and the source
+
+
+@dataclass
+class BadImages:
+    """Files that failed to decode while training or evaluating (path -> reason)."""
+
+    files: dict[str, str] = field(default_factory=dict)
+    count: int = 0  # decode failures, counting repeats (a bad file fails every epoch)
+
+    def add(self, found: list[tuple[str, str]]) -> None:
+        for path, reason in found:
+            self.count += 1
+            if path not in self.files:
+                self.files[path] = reason
+                log.warning("skipping unreadable image %s: %s", path, reason)
+
+
+class ImageFolderTrainStream:
+    """Training batches for one (size, min_scale, copy) setting; see `data.base.TrainStream`."""
+
+    def __init__(self, dataset: _TrainDecoder, shard: Shard, seed: int, batch_size: int,
+                 options: LoaderOptions, bad: BadImages):
+        self._sampler = _EpochBatchSampler(len(dataset), shard, seed, batch_size)
+        self._bad = bad
+        workers = options.workers
+        self._loader = DataLoader(
+            dataset,
+            batch_sampler=self._sampler,
+            num_workers=workers,
+            collate_fn=_passthrough,
+            pin_memory=options.pin_memory,
+            persistent_workers=workers > 0,
+            prefetch_factor=options.prefetch if workers > 0 else None,
+        )
+
+    @property
+    def batch_size(self) -> int:
+        return self._sampler.batch_size
+
+    @batch_size.setter
+    def batch_size(self, value: int) -> None:
+        self._sampler.batch_size = int(value)
+
+    def set_epoch(self, epoch: int) -> None:
+        self._sampler.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        return len(self._sampler)
+
+    def __iter__(self) -> Iterator[Batch]:
+        for images, labels, bad in self._loader:
+            if bad:
+                self._bad.add(bad)
+            yield images, labels
+
+    def worker_pids(self) -> list[int]:
+        """PIDs of the decode workers (empty before the first epoch or without workers)."""
+        it = self._loader._iterator  # DataLoader keeps the persistent iterator here
+        return [w.pid for w in getattr(it, "_workers", [])] if it is not None else []
+
+    def close(self) -> None:
+        """Stop the workers now (not whenever the garbage collector gets to them)."""
+        it = self._loader._iterator
+        if it is not None and hasattr(it, "_shutdown_workers"):
+            it._shutdown_workers()
+        self._loader._iterator = None
+
+
+class ImageFolderSource:
+    """An ImageNet-layout tree (and its resized copies) as a `DataSource`.
+
+    path: the tree's root. workers, pin_memory, prefetch, draft: see `LoaderOptions` (None:
+    chosen for this machine). train_examples / val_examples: a fixed subset (train: a seeded
+    sample across all classes; val: the first N in index order). copies_dir: see the module
+    docstring.
+    """
+
+    channels = 3
+    mean = IMAGENET_MEAN
+    std = IMAGENET_STD
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        workers: int | None = None,
+        train_examples: int | None = None,
+        val_examples: int | None = None,
+        copies_dir: str | os.PathLike | None = None,
+        pin_memory: bool | None = None,
+        prefetch: int = 4,
+        draft: bool = True,
+    ):
+        self.root = Path(path).expanduser()
+        self.options = LoaderOptions(
+            workers=default_workers() if workers is None else int(workers),
+            pin_memory=torch.cuda.is_available() if pin_memory is None else bool(pin_memory),
+            prefetch=prefetch,
+            draft=draft,
+        )
+        self.train_examples, self.val_examples = train_examples, val_examples
+        copies = copies_dir or os.environ.get("SPEEDRUN_COPIES") or f"{self.root.resolve()}-sz"
+        self.copies_dir = Path(copies).expanduser()
+        self.bad_images = BadImages()
+        self._indexes: dict[int | None, Index | None] = {}
+        self._warned: set[int] = set()
+        self._val_copy: int | None = None
+
+        full = self.index(None)
+        self.name = f"imagefolder:{self.root.name}"
+        self.classes = full.classes
+        self.num_classes = len(full.classes)
+        self.num_train = len(self._train_split(None))
+        self.num_val = len(self._val_split(None))
+
+    # -- trees -----------------------------------------------------------------------------
+
+    def copy_root(self, copy: int | None) -> Path:
+        return self.root if copy is None else self.copies_dir / str(copy)
+
+    def index(self, copy: int | None) -> Index | None:
+        """The index of the full tree (copy=None) or of a copy; None when the copy is missing."""
+        if copy not in self._indexes:
+            if copy is None:
+                self._indexes[None] = load_index(self.root, workers=self.options.workers or None)
+            else:
+                root = self.copy_root(copy)
+                if (root / "train").is_dir() and (root / "val").is_dir():
+                    self._indexes[copy] = load_index(root, self.options.workers or None, classes=self.index(None).classes)
+                else:
+                    self._indexes[copy] = None
+        return self._indexes[copy]
+
+    def _resolve(self, copy: int | None) -> tuple[int | None, Index]:
+        """The copy that will really be read (falling back to full size) and its index."""
+        index = self.index(copy)
+        if index is None:
+            if copy not in self._warned:
+                self._warned.add(copy)
+                log.warning(
+                    "no %d px copy at %s (make it with: speedrun data prepare %s %s --sizes %d); reading full-size images",
+                    copy, self.copy_root(copy), self.root, self.copies_dir, copy)
+            return None, self.index(None)
+        return copy, index
+
+    def _train_split(self, copy: int | None) -> Split:
+        split = self._resolve(copy)[1].train
+        if self.train_examples is not None and self.train_examples < len(split):
+            # A seeded sample, not the first N: the index is sorted by class.
+            rows = np.random.default_rng(SUBSET_SEED).permutation(len(split))[: self.train_examples]
+            split = split.subset(np.sort(rows))
+        return split
+
+    def _val_split(self, copy: int | None) -> Split:
+        split = self._resolve(copy)[1].val
+        if self.val_examples is not None and self.val_examples < len(split):
+            split = split.subset(np.arange(self.val_examples))
+        return split
+
+    # -- DataSource ------------------------------------------------------------------------
+
+    def train_stream(self, phase: Phase, shard: Shard, seed: int) -> ImageFolderTrainStream:
+        copy, _ = self._resolve(phase.copy)
+        self._val_copy = copy
+        dataset = _TrainDecoder(self.copy_root(copy), self._train_split(copy), phase.size, phase.min_scale,
+                                seed, self.options.draft)
+        return ImageFolderTrainStream(dataset, shard, seed, phase.batch_size, self.options, self.bad_images)
+
+    def val_plan(self, size: int, batch_size: int, rect: bool) -> list[ValBatch]:
+        """Every validation batch (all ranks), in order; see `data.rect`."""
+        split = self._val_split(self._val_copy)
+        if rect:
+            return rect_plan(split.widths, split.heights, size, batch_size)
+        return square_plan(len(split), size, batch_size)
+
+    def val_batches(self, size: int, batch_size: int, rect: bool, shard: Shard) -> Iterator[Batch]:
+        copy = self._val_copy
+        plan = self.val_plan(size, batch_size, rect)
+        mine = [plan[i] for i in split_batches_contiguously(len(plan), shard)]
+        if not mine:
+            return
+        dataset = _EvalDecoder(self.copy_root(copy), self._val_split(copy), resize_for(size), self.options.draft)
+        keys = [[(r, b.height, b.width) for r in b.rows] for b in mine]
+        workers = min(self.options.workers, len(keys))
+        loader = DataLoader(
+            dataset,
+            batch_sampler=keys,
+            num_workers=workers,
+            collate_fn=_passthrough,
+            pin_memory=self.options.pin_memory,
+            prefetch_factor=self.options.prefetch if workers > 0 else None,
+        )
+        for images, labels, bad in loader:
+            if bad:
+                self.bad_images.add(bad)
+            if len(labels):
+                yield images, labels
+
+    def close(self) -> None:
+        """Nothing to release: train streams own their workers, validation loaders are per call."""

@@ -1,0 +1,192 @@
+"""Resized copies of an image-folder tree: ``speedrun data prepare SRC DST --sizes 160 352``.
+
+For each size N, ``DST/N/{train,val}/<class>/...`` mirrors SRC file for file (same relative
+paths, so labels and the index line up): the shorter side becomes N px (aspect kept, Lanczos
+after a DCT-scaled decode), saved as JPEG at `quality`. An image whose shorter side is already
+<= N is never upscaled: its bytes are copied unchanged. Every class folder is created, empty or
+not, so a copy has exactly the source's classes.
+
+Resumable: each output is written to a temporary name and renamed when complete, so an existing
+output is a finished one and is skipped on the next run. All cores work in parallel; a bad
+image is listed in ``DST/prepare-report.tsv`` (path, reason) and skipped. Each copy's index is
+built at the end, so the first training run does not have to.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import warnings
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from PIL import Image
+
+from speedrun.data.index import load_index
+from speedrun.errors import SpeedrunError
+
+REPORT_NAME = "prepare-report.tsv"
+
+
+@dataclass
+class PrepareSummary:
+    """What `prepare` did, counted in source images (each covers all sizes)."""
+
+    images: int = 0  # source images considered
+    resized: int = 0  # outputs written by resizing
+    copied: int = 0  # outputs copied as they are (already small enough)
+    skipped: int = 0  # outputs already present (earlier run)
+    bad: list[tuple[str, str]] = field(default_factory=list)  # (relative path, reason)
+    seconds: float = 0.0
+    workers: int = 1
+
+    @property
+    def images_per_s(self) -> float:
+        return self.images / self.seconds if self.seconds else 0.0
+
+    @property
+    def images_per_s_per_core(self) -> float:
+        return self.images_per_s / max(self.workers, 1)
+
+
+@dataclass(frozen=True)
+class _Task:
+    src: str
+    rel: str
+    outputs: tuple[tuple[int, str], ...]  # (size px, destination path)
+    quality: int
+
+
+def _atomic_save(img: Image.Image, dst: str, quality: int) -> None:
+    tmp = f"{dst}.{os.getpid()}.tmp"
+    try:
+        img.save(tmp, "JPEG", quality=quality)
+        os.replace(tmp, dst)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _atomic_copy(src: str, dst: str) -> None:
+    tmp = f"{dst}.{os.getpid()}.tmp"
+    try:
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, dst)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def resize_one(task: _Task) -> tuple[int, int, int, str | None]:
+    """Make every missing output of one source image: (resized, copied, skipped, error)."""
+    todo = [(n, dst) for n, dst in task.outputs if not os.path.exists(dst)]
+    skipped = len(task.outputs) - len(todo)
+    if not todo:
+        return 0, 0, skipped, None
+    resized = copied = 0
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # DecompressionBombWarning: large images are expected
+            with Image.open(task.src) as img:
+                width, height = img.size
+                short = min(width, height)
+                larger = [n for n, _ in todo if n < short]
+                if larger and img.format == "JPEG":
+                    # Decode once at the coarsest DCT scale that still covers the largest output.
+                    n_max = max(larger)
+                    s = next((s for s in (8, 4, 2) if short / s >= n_max), 1)
+                    if s > 1:
+                        img.draft(img.mode, (width // s, height // s))
+                if img.mode not in ("RGB", "L"):
+                    img = img.convert("RGB")  # CMYK, palette, alpha: JPEG wants RGB
+                img.load()
+                for n, dst in todo:
+                    if n >= short:
+                        _atomic_copy(task.src, dst)  # never upscale: keep the original bytes
+                        copied += 1
+                        continue
+                    w, h = img.size
+                    size = (n, max(1, round(h * n / w))) if w <= h else (max(1, round(w * n / h)), n)
+                    _atomic_save(img.resize(size, Image.Resampling.LANCZOS), dst, task.quality)
+                    resized += 1
+    except Exception as e:  # a bad image: reported, never fatal
+        return resized, copied, skipped, f"{type(e).__name__}: {e}".splitlines()[0][:200]
+    return resized, copied, skipped, None
+
+
+def _progress(enabled: bool):
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn,
+                               TimeElapsedColumn, TimeRemainingColumn)
+    from rich.text import Text
+
+    class Rate(ProgressColumn):
+        def render(self, task) -> Text:
+            speed = task.finished_speed or task.speed
+            return Text(f"{speed:,.0f} images/s" if speed else "- images/s")
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), Rate(),
+                    TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), disable=not enabled)
+
+
+def prepare(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    sizes: list[int],
+    quality: int = 90,
+    workers: int | None = None,
+    progress: bool = True,
+) -> PrepareSummary:
+    """Write the resized copies of `src` under `dst` (see the module docstring)."""
+    src, dst = Path(src), Path(dst)
+    if not sizes or any(n <= 0 for n in sizes):
+        raise SpeedrunError(f"--sizes must be positive pixel counts, got {sizes}")
+    if not 1 <= quality <= 100:
+        raise SpeedrunError(f"--quality must be 1..100, got {quality}")
+    inside = [src.resolve()] + [src.resolve() / s for s in ("train", "val")]
+    if any(dst.resolve() == p or p in dst.resolve().parents for p in inside[1:]) or dst.resolve() == inside[0]:
+        raise SpeedrunError(f"DST {dst} must not be SRC or inside SRC's train/val folders")
+    workers = workers or os.cpu_count() or 1
+    index = load_index(src, workers=workers)
+    sizes = sorted(set(sizes))
+
+    tasks = []
+    for split_name in ("train", "val"):
+        for n in sizes:
+            for cls in index.classes:
+                (dst / str(n) / split_name / cls).mkdir(parents=True, exist_ok=True)
+        split = index.split(split_name)
+        for i in range(len(split)):
+            rel = split.path(i)
+            outputs = []
+            for n in sizes:
+                out = dst / str(n) / rel
+                out.parent.mkdir(parents=True, exist_ok=True)  # nested folders inside a class
+                outputs.append((n, str(out)))
+            tasks.append(_Task(str(src / rel), rel, tuple(outputs), quality))
+
+    summary = PrepareSummary(workers=workers)
+    summary.bad = [(b.path, b.reason) for b in index.bad]
+    start = time.perf_counter()
+    with _progress(progress) as bar:
+        job = bar.add_task(f"resizing to {', '.join(map(str, sizes))} px", total=len(tasks))
+        with ProcessPoolExecutor(workers) as pool:
+            for task, (resized, copied, skipped, error) in zip(tasks, pool.map(resize_one, tasks, chunksize=32)):
+                summary.images += 1
+                summary.resized += resized
+                summary.copied += copied
+                summary.skipped += skipped
+                if error:
+                    summary.bad.append((task.rel, error))
+                bar.advance(job)
+    summary.seconds = time.perf_counter() - start
+
+    dst.mkdir(parents=True, exist_ok=True)
+    with open(dst / REPORT_NAME, "w") as f:
+        f.write("path\treason\n")
+        for rel, reason in summary.bad:
+            f.write(f"{rel}\t{reason}\n")
+    for n in sizes:
+        # Index each copy now, with the full tree's classes, so training starts straight away.
+        load_index(dst / str(n), workers=workers, classes=index.classes)
+    return summary

@@ -1,0 +1,191 @@
+"""Generated image-folder trees, for tests, benchmarks and trying the pipeline without ImageNet.
+
+- `imagenet_tree`: ImageNet-shaped JPEGs. Aspect ratios mostly 4:3 (landscape) and 3:4
+  (portrait), the rest spread log-uniformly over 0.5..2.0; shorter side around 320 px, so the
+  mean size is about 400 x 350 px like ImageNet's. Pixels are smooth colour fields plus fine
+  noise, which JPEG-compresses to roughly photo-like sizes (tens of kB), so decode cost is
+  realistic. Classes differ only by a colour cast: this tree is for speed, not for learning.
+- `fmnist_tree`: a learnable tree made from Fashion-MNIST. Each garment is scaled to most of a
+  canvas's shorter side and placed near one end of its longer side, on canvases with aspect
+  ratios log-uniform in 0.5..2.0. A square centre crop of a wide or tall canvas cuts off much
+  of the garment; a rectangular crop keeps it, so rectangular validation should score higher.
+
+Generation runs on all cores (one process per chunk of images) and is deterministic in `seed`.
+"""
+from __future__ import annotations
+
+import gzip
+import math
+import os
+import struct
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+FMNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
+FMNIST_CLASSES = ("t-shirt", "trouser", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag", "ankle-boot")
+
+
+@dataclass(frozen=True)
+class TreeSummary:
+    """What a generator wrote."""
+
+    root: Path
+    classes: int
+    train: int  # images
+    val: int  # images
+
+
+def _imagenet_aspect(rng: np.random.Generator) -> float:
+    u = rng.random()
+    if u < 0.55:
+        return 4 / 3
+    if u < 0.75:
+        return 3 / 4
+    return math.exp(rng.uniform(math.log(0.5), math.log(2.0)))
+
+
+def imagenet_like_image(rng: np.random.Generator, label: int, num_classes: int, short: float = 320) -> Image.Image:
+    """One ImageNet-shaped RGB image (see the module docstring)."""
+    aspect = _imagenet_aspect(rng)
+    s = int(np.clip(rng.normal(short, 50), 120, 600))
+    w, h = (int(s * aspect), s) if aspect >= 1 else (s, int(s / aspect))
+    # Smooth field: a small random image upsampled bicubically, tinted by class.
+    low = rng.integers(0, 256, size=(6, 8, 3), dtype=np.uint8)
+    field = np.asarray(Image.fromarray(low).resize((w, h), Image.Resampling.BICUBIC), dtype=np.int16)
+    hue = np.array([math.cos(2 * math.pi * (label / num_classes + k / 3)) for k in range(3)]) * 40
+    # Uniform integer noise (cheap to draw): mostly luminance, a little chroma.
+    noise = rng.integers(-22, 23, size=(h, w, 1), dtype=np.int16) + rng.integers(-8, 9, size=(h, w, 3), dtype=np.int16)
+    pixels = np.clip(field + hue.astype(np.int16) + noise, 0, 255).astype(np.uint8)
+    return Image.fromarray(pixels)
+
+
+def _write_imagenet_chunk(args: tuple) -> int:
+    root, jobs, num_classes, quality, seed = args
+    for split, cls_name, label, k in jobs:
+        rng = np.random.default_rng([seed, 0 if split == "train" else 1, label, k])
+        img = imagenet_like_image(rng, label, num_classes)
+        path = Path(root) / split / cls_name / f"{cls_name}_{k:06d}.JPEG"
+        img.save(path, "JPEG", quality=quality)
+    return len(jobs)
+
+
+def _run_chunks(fn, chunks: list[tuple], workers: int | None) -> None:
+    workers = workers or os.cpu_count() or 1
+    if workers <= 1 or len(chunks) <= 1:
+        for c in chunks:
+            fn(c)
+        return
+    with ProcessPoolExecutor(workers) as pool:
+        list(pool.map(fn, chunks))
+
+
+def imagenet_tree(
+    root: str | os.PathLike,
+    classes: int = 10,
+    train_per_class: int = 100,
+    val_per_class: int = 20,
+    quality: int = 90,
+    seed: int = 0,
+    workers: int | None = None,
+) -> TreeSummary:
+    """Write an ImageNet-shaped JPEG tree at `root` (train/ and val/ with `classes` folders)."""
+    root = Path(root)
+    names = [f"n{i:08d}" for i in range(classes)]
+    jobs = []
+    for split, per in (("train", train_per_class), ("val", val_per_class)):
+        for label, name in enumerate(names):
+            (root / split / name).mkdir(parents=True, exist_ok=True)
+            jobs.extend((split, name, label, k) for k in range(per))
+    chunk = 64
+    chunks = [(str(root), jobs[i : i + chunk], classes, quality, seed) for i in range(0, len(jobs), chunk)]
+    _run_chunks(_write_imagenet_chunk, chunks, workers)
+    return TreeSummary(root, classes, classes * train_per_class, classes * val_per_class)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fashion-MNIST
+
+
+def read_idx(path: str | os.PathLike) -> np.ndarray:
+    """An IDX file (optionally gzipped) as a numpy array (uint8 images N x 28 x 28 or labels N)."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rb") as f:
+        data = f.read()
+    zero, dtype_code, ndim = struct.unpack(">HBB", data[:4])
+    if zero != 0 or dtype_code != 0x08:
+        raise ValueError(f"{path}: not an unsigned-byte IDX file")
+    shape = struct.unpack(f">{ndim}I", data[4 : 4 + 4 * ndim])
+    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(shape)
+
+
+def garment_canvas(garment: np.ndarray, rng: np.random.Generator, short_range: tuple[int, int] = (48, 96)) -> Image.Image:
+    """Place a 28 x 28 garment on a canvas of random aspect ratio, off-centre (module docstring)."""
+    aspect = math.exp(rng.uniform(math.log(0.5), math.log(2.0)))
+    s = int(rng.integers(short_range[0], short_range[1] + 1))
+    w, h = (int(round(s * aspect)), s) if aspect >= 1 else (s, int(round(s / aspect)))
+    g = int(round(s * rng.uniform(0.75, 0.95)))
+    sprite = np.asarray(Image.fromarray(garment).resize((g, g), Image.Resampling.BILINEAR), dtype=np.float32)
+    # Dim textured background, so the garment is not the only thing that is not black.
+    canvas = rng.normal(20, 8, size=(h, w)).clip(0, 255).astype(np.float32)
+    free = max(w, h) - g
+    # Near one end of the long side: within the outer 15% of the free room.
+    offset = int(rng.uniform(0, 0.15) * free)
+    along = offset if rng.random() < 0.5 else free - offset
+    across = int(rng.integers(0, (min(w, h) - g) + 1))
+    x, y = (along, across) if w >= h else (across, along)
+    region = canvas[y : y + g, x : x + g]
+    canvas[y : y + g, x : x + g] = np.maximum(region, sprite)
+    tint = rng.uniform(0.8, 1.0, size=3).astype(np.float32)
+    rgb = (canvas[..., None] * tint).clip(0, 255).astype(np.uint8)
+    return Image.fromarray(rgb)
+
+
+def _write_fmnist_chunk(args: tuple) -> int:
+    root, split, images, labels, first, quality, seed = args
+    for k, (img, label) in enumerate(zip(images, labels)):
+        n = first + k
+        rng = np.random.default_rng([seed, 0 if split == "train" else 1, n])
+        cls = FMNIST_CLASSES[int(label)]
+        garment_canvas(img, rng).save(Path(root) / split / cls / f"{split}_{n:06d}.jpg", "JPEG", quality=quality)
+    return len(images)
+
+
+def fmnist_tree(
+    root: str | os.PathLike,
+    train: int = 6000,
+    val: int = 1000,
+    source: str | os.PathLike = FMNIST_DIR,
+    quality: int = 90,
+    seed: int = 0,
+    workers: int | None = None,
+) -> TreeSummary:
+    """Write a learnable tree from the first `train` / `val` Fashion-MNIST train / test images."""
+    from speedrun.errors import SpeedrunError
+
+    source = Path(source)
+    files = {
+        "train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
+        "val": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"),
+    }
+    root = Path(root)
+    chunks = []
+    for split, count in (("train", train), ("val", val)):
+        img_file, lbl_file = (source / f for f in files[split])
+        if not img_file.is_file() or not lbl_file.is_file():
+            raise SpeedrunError(
+                f"Fashion-MNIST not found at {source} (install Debian's dataset-fashion-mnist or pass --source)"
+            )
+        images, labels = read_idx(img_file)[:count], read_idx(lbl_file)[:count]
+        for cls in FMNIST_CLASSES:
+            (root / split / cls).mkdir(parents=True, exist_ok=True)
+        chunk = 256
+        chunks += [
+            (str(root), split, images[i : i + chunk], labels[i : i + chunk], i, quality, seed)
+            for i in range(0, len(images), chunk)
+        ]
+    _run_chunks(_write_fmnist_chunk, chunks, workers)
+    return TreeSummary(root, len(FMNIST_CLASSES), min(train, 60000), min(val, 10000))
