@@ -1,0 +1,86 @@
+"""Sharded validation over real gloo process groups gives exactly the single-process metrics.
+
+21 validation images in batches of 6 make 4 batches (6, 6, 6, 3): 2 ranks get 2 + 2, 3 ranks get
+2 + 2 + 0 (an empty rank), so uneven and empty shares are both covered.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from speedrun.data.base import Shard
+from speedrun.data.imagefolder import ImageFolderSource
+from test_data_helpers import make_tree
+
+SIZE, BATCH = 32, 6
+
+
+def _model() -> torch.nn.Module:
+    """A fixed tiny CNN: any input size (global pooling), the same weights in every process."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, stride=2),
+        torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(),
+        torch.nn.Linear(8, 7),
+    ).eval()
+
+
+def _metrics(root: str, rect: bool, shard: Shard) -> tuple[torch.Tensor, int]:
+    """(loss sum, top-1, top-5, count) over this rank's batches, and how many batches it had."""
+    source = ImageFolderSource(root, workers=0)
+    mean = torch.tensor(source.mean).view(3, 1, 1)
+    std = torch.tensor(source.std).view(3, 1, 1)
+    model = _model()
+    totals = torch.zeros(4, dtype=torch.float64)
+    batches = 0
+    with torch.no_grad():
+        for images, labels in source.val_batches(SIZE, BATCH, rect, shard):
+            logits = model((images.float() - mean) / std).double()
+            top5 = logits.topk(5, dim=1).indices
+            totals += torch.stack([
+                torch.nn.functional.cross_entropy(logits, labels, reduction="sum"),
+                (top5[:, 0] == labels).sum().double(),
+                (top5 == labels[:, None]).any(dim=1).sum().double(),
+                torch.tensor(float(len(labels)), dtype=torch.float64),
+            ])
+            batches += 1
+    return totals, batches
+
+
+def _rank_main(rank: int, world: int, init: str, root: str, rect: bool, out: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        totals, batches = _metrics(root, rect, Shard(rank, world))
+        dist.all_reduce(totals)
+        if rank == 0:
+            torch.save(totals, out)
+        torch.save(torch.tensor(batches), f"{out}.batches{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory):
+    return make_tree(tmp_path_factory.mktemp("dist") / "d", classes=7, train_per_class=1, val_per_class=3,
+                     sizes=[(96, 72), (72, 96), (120, 60), (64, 64), (60, 110), (100, 70)])
+
+
+# Each process start costs seconds (spawn imports torch): square validation only at world 3.
+@pytest.mark.parametrize("world,rect", [(1, True), (2, True), (3, True), (3, False)])
+def test_sharded_validation_matches_one_process(tree, tmp_path, world, rect):
+    root = str(tree)
+    expected, batches = _metrics(root, rect, Shard())
+    assert batches == 4 and expected[3] == 21  # 7 classes x 3 images; 21 / 6 -> 4 batches
+    out = str(tmp_path / "metrics.pt")
+    init = f"file://{tmp_path / 'rendezvous'}"
+    mp.start_processes(_rank_main, args=(world, init, root, rect, out), nprocs=world, join=True, start_method="spawn")
+    got = torch.load(out)
+    # Counts are exact; the loss sum differs only by float64 summation order.
+    assert got[1:].tolist() == expected[1:].tolist()
+    assert torch.allclose(got[0], expected[0], rtol=1e-12, atol=0)
+    per_rank = [int(torch.load(f"{out}.batches{r}")) for r in range(world)]
+    assert per_rank == {1: [4], 2: [2, 2], 3: [2, 2, 0]}[world]

@@ -1,0 +1,127 @@
+"""`speedrun data prepare`: resized copies, never upscaled, resumable; the trainer finds them."""
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+from PIL import Image
+
+from speedrun.cli import main
+from speedrun.data import prepare as prepare_mod
+from speedrun.data.base import Shard
+from speedrun.data.imagefolder import ImageFolderSource
+from speedrun.data.prepare import prepare
+from speedrun.recipe import Phase
+from test_data_helpers import make_tree
+
+
+def _sizes(root):
+    out = {}
+    for p in sorted(root.rglob("*.JPEG")):
+        with Image.open(p) as img:
+            out[str(p.relative_to(root))] = img.size
+    return out
+
+
+def test_shorter_side_resized_aspect_kept_never_upscaled(tmp_path):
+    src = make_tree(tmp_path / "d", classes=2, train_per_class=3, val_per_class=1,
+                    sizes=[(300, 200), (100, 250), (60, 40)])
+    s = prepare(src, tmp_path / "sz", [80, 150], workers=1, progress=False)
+    original = _sizes(src)
+    for n in (80, 150):
+        copy = _sizes(tmp_path / "sz" / str(n))
+        assert copy.keys() == original.keys()
+        for rel, (w, h) in original.items():
+            cw, ch = copy[rel]
+            if min(w, h) <= n:
+                # Never upscaled: the very same bytes.
+                assert (tmp_path / "sz" / str(n) / rel).read_bytes() == (src / rel).read_bytes()
+            else:
+                assert min(cw, ch) == n
+                assert abs(cw / ch - w / h) < 0.02
+    assert s.images == 8 and s.bad == [] and s.resized + s.copied == 16 and s.skipped == 0
+
+
+def test_quality_option_changes_the_output(tmp_path):
+    src = make_tree(tmp_path / "d", classes=1, train_per_class=2, val_per_class=1, sizes=[(300, 200)])
+    prepare(src, tmp_path / "lo", [100], quality=20, workers=1, progress=False)
+    prepare(src, tmp_path / "hi", [100], quality=95, workers=1, progress=False)
+    lo = sum(p.stat().st_size for p in (tmp_path / "lo").rglob("*.JPEG"))
+    hi = sum(p.stat().st_size for p in (tmp_path / "hi").rglob("*.JPEG"))
+    assert lo < hi
+
+
+def test_resume_skips_finished_files_and_redoes_missing_ones(tmp_path, monkeypatch):
+    src = make_tree(tmp_path / "d", classes=2, train_per_class=3, val_per_class=1, sizes=[(200, 150)])
+    dst = tmp_path / "sz"
+    prepare(src, dst, [64], workers=1, progress=False)
+    done = dst / "64/train/c00/img001.JPEG"
+    gone = dst / "64/train/c01/img000.JPEG"
+    stamp = done.stat().st_mtime_ns
+    gone.unlink()
+    # A leftover temporary file from a killed run is not a finished output.
+    (dst / "64/train/c01/img000.JPEG.123.tmp").write_bytes(b"partial")
+    s = prepare(src, dst, [64], workers=1, progress=False)
+    assert (s.resized, s.skipped) == (1, 7)
+    assert gone.is_file() and done.stat().st_mtime_ns == stamp
+
+
+def test_interrupted_write_leaves_no_finished_looking_file(tmp_path, monkeypatch):
+    src = make_tree(tmp_path / "d", classes=1, train_per_class=1, val_per_class=1, sizes=[(200, 150)])
+
+    def boom(self, fp, *a, **k):
+        with open(fp, "wb") as f:  # half a file, then the user presses Ctrl-C
+            f.write(b"\xff\xd8 partial")
+        raise KeyboardInterrupt
+
+    task = prepare_mod._Task(str(src / "train/c00/img000.JPEG"), "train/c00/img000.JPEG",
+                             ((64, str(tmp_path / "out.JPEG")),), 90)
+    monkeypatch.setattr(Image.Image, "save", boom)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_mod.resize_one(task)
+    assert list(tmp_path.glob("out.JPEG*")) == []
+
+
+def test_trainer_reads_the_copy_named_by_the_phase_and_falls_back_once(tmp_path, caplog):
+    src = make_tree(tmp_path / "imagenet", classes=2, train_per_class=4, val_per_class=2, sizes=[(300, 200)])
+    prepare(src, tmp_path / "imagenet-sz", [64], workers=1, progress=False)  # the default place
+    source = ImageFolderSource(src, workers=0)
+    stream = source.train_stream(Phase(0, 1, size=32, batch_size=4, lr=0.1, copy=64), Shard(), 0)
+    assert str(stream._loader.dataset.root) == str(tmp_path / "imagenet-sz" / "64")
+    assert len(list(stream)) == 2
+    with caplog.at_level(logging.WARNING, logger="speedrun.data"):
+        for _ in range(2):
+            stream = source.train_stream(Phase(0, 1, size=32, batch_size=4, lr=0.1, copy=160), Shard(), 0)
+            assert stream._loader.dataset.root == src
+    assert caplog.text.count("no 160 px copy") == 1
+
+
+def test_copies_dir_from_environment(tmp_path, monkeypatch):
+    src = make_tree(tmp_path / "data", classes=2, train_per_class=2, val_per_class=1, sizes=[(300, 200)])
+    prepare(src, tmp_path / "elsewhere", [64], workers=1, progress=False)
+    monkeypatch.setenv("SPEEDRUN_COPIES", str(tmp_path / "elsewhere"))
+    source = ImageFolderSource(src, workers=0)
+    stream = source.train_stream(Phase(0, 1, size=32, batch_size=2, lr=0.1, copy=64), Shard(), 0)
+    assert str(stream._loader.dataset.root) == str(tmp_path / "elsewhere" / "64")
+    # Validation follows the training phase's copy.
+    (images, _), = list(source.val_batches(32, 8, False, Shard()))
+    assert images.shape == (2, 3, 32, 32)
+
+
+def test_cli_prepare_and_errors(tmp_path, capsys):
+    src = make_tree(tmp_path / "d", classes=2, train_per_class=2, val_per_class=1, sizes=[(200, 150)])
+    assert main(["data", "prepare", str(src), str(tmp_path / "sz"), "--sizes", "64", "--workers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "prepared 6 images" in out and "images/s per core" in out
+    assert main(["data", "prepare", str(tmp_path / "nope"), str(tmp_path / "sz")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["data", "prepare", str(src), str(tmp_path / "sz"), "--quality", "0"]) == 2
+    assert main(["data", "prepare", str(src), str(src / "train" / "x")]) == 2
+
+
+def test_cli_index_summarises(tmp_path, capsys):
+    src = make_tree(tmp_path / "d", classes=2, train_per_class=2, val_per_class=1)
+    assert main(["data", "index", str(src)]) == 0
+    out = capsys.readouterr().out
+    assert "train: 4 images" in out and "val: 2 images" in out and os.fspath(src) in out
