@@ -1,1 +1,24 @@
-"""Experiment infrastructure: jobs of N machines as Python code, run in tmux, over SSH."""
+"""Experiment infrastructure: jobs of N machines as Python code, run in tmux, over SSH.
+
+    from speedrun.cluster import make_job
+    job = make_job("demo", 2, provider="ssh", hosts=["gpu1", "gpu2"], run_root="/shared/runs")
+    job.run("nvidia-smi -L")
+    job.launch(f"-m speedrun train --recipe tiny --out {job.run_dir}")
+    job.wait()
+
+Modules, from the bottom up: hosts (Host, LocalHost) and ssh (SSHHost) run scripts and move files;
+tmux writes the scripts that run commands in tmux windows; task (Task, Command) and job (Job,
+make_job, open_job) build on them; providers hand out hosts; registry keeps job records; tensorboard
+serves a run's events; cli is `speedrun launch | ls | attach | logs | kill | tb`; testing makes
+hosts out of network namespaces for tests and benchmarks.
+"""
+from speedrun.cluster.hosts import Host, LocalHost
+from speedrun.cluster.job import Job, TaskStatus, make_job, open_job
+from speedrun.cluster.providers import LocalProvider, Provider, SSHProvider
+from speedrun.cluster.ssh import SSHHost, SSHOptions
+from speedrun.cluster.task import Command, CommandFailed, Result, Task
+
+__all__ = [
+    "Command", "CommandFailed", "Host", "Job", "LocalHost", "LocalProvider", "Provider", "Result", "SSHHost",
+    "SSHOptions", "SSHProvider", "Task", "TaskStatus", "make_job", "open_job",
+]

@@ -1,6 +1,214 @@
-"""`speedrun launch | ls | attach | logs | kill | tb` commands."""
+"""`speedrun launch | ls | attach | logs | kill | tb`: the cluster API from the command line.
+
+    speedrun launch demo --provider ssh --hosts gpu1,gpu2 --run-root /shared/runs \\
+        -- -m speedrun train --recipe tiny --out {run_dir}
+    speedrun ls
+    speedrun logs demo -f
+    speedrun attach demo 1
+    speedrun tb demo
+    speedrun kill demo
+
+`launch` starts one torchrun per task with what follows `--` (`{run_dir}` there becomes the run
+directory); run again while the job runs, it reconnects instead of starting anything.
+"""
+from __future__ import annotations
+
 import argparse
+import sys
+import time
+from pathlib import Path
+
+from speedrun.errors import SpeedrunError
+
+EXIT_COMMAND_FAILED = 3  # as speedrun.cli's "training failed"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the cluster commands to the top-level parser."""
+    p = sub.add_parser("launch", help="start a job: one torchrun per task (or reconnect to it if it runs)",
+                       usage="speedrun launch NAME [options] -- ARGS...",
+                       description="Start one torchrun per task with the ARGS after `--` "
+                                   "(`{run_dir}` there becomes the run directory). If the job is running, "
+                                   "reconnect to it instead (--restart replaces it).")
+    p.add_argument("name", help="job name (letters, digits, - and _)")
+    p.add_argument("rest", nargs=argparse.REMAINDER, metavar="-- ARGS",
+                   help="what torchrun runs, e.g. -- -m speedrun train --recipe tiny --out {run_dir}")
+    add_launch_options(p)
+    p.set_defaults(func=cmd_launch)
+
+    p = sub.add_parser("ls", help="list jobs: tasks, hosts, state, uptime")
+    p.add_argument("name", nargs="?", help="only this job")
+    p.add_argument("--window", default="train", help="the command whose state is shown (default train)")
+    p.set_defaults(func=cmd_ls)
+
+    p = sub.add_parser("attach", help="attach this terminal to a task's tmux session (Ctrl-b d detaches)")
+    p.add_argument("name", help="job name")
+    p.add_argument("task", nargs="?", type=int, default=0, help="task index (default 0)")
+    p.add_argument("--window", help="select this window first (e.g. train, setup)")
+    p.set_defaults(func=cmd_attach)
+
+    p = sub.add_parser("logs", help="print a job's logs (all tasks, or one)")
+    p.add_argument("name", help="job name")
+    p.add_argument("task", nargs="?", type=int, help="only this task")
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing until the command ends")
+    p.add_argument("--window", default="train", help="whose log (default train; also setup, tensorboard...)")
+    p.set_defaults(func=cmd_logs)
+
+    p = sub.add_parser("kill", help="stop a job: kill its tmux sessions (logs and run directory stay)")
+    p.add_argument("name", help="job name")
+    p.set_defaults(func=cmd_kill)
+
+    p = sub.add_parser("tb", help="start TensorBoard on task 0 and forward it here over SSH")
+    p.add_argument("name", help="job name")
+    p.add_argument("--port", type=int, default=None, help="local port (default: a free one)")
+    p.set_defaults(func=cmd_tb)
+
+
+def add_launch_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--provider", choices=["local", "ssh"], default=None,
+                   help="where tasks run (default: ssh when --hosts is given, else local)")
+    p.add_argument("--hosts", default="", help="comma-separated user@host[:port] for the ssh provider")
+    p.add_argument("-n", "--tasks", type=int, default=None, help="number of tasks (default: one per host, or 1)")
+    p.add_argument("--nproc-per-node", type=int, default=1, help="processes per task (default 1)")
+    p.add_argument("--run-root", default="runs", help="where run directories go; shared storage for several hosts")
+    p.add_argument("--run-name", default="run", help="run directories are <run-root>/<job>/<run-name>.<NN>")
+    p.add_argument("--setup", type=Path, help="a shell script to run once per host (again when it changes)")
+    p.add_argument("--sync", type=Path, help="a local directory (your working tree) to copy to each host")
+    p.add_argument("--python", default="python3", help="the Python on the hosts (default python3)")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="set a variable (repeatable)")
+    p.add_argument("--window", default="train", help="the tmux window's name (default train)")
+    p.add_argument("--restart", action="store_true", help="replace the job if it is running")
+    p.add_argument("--follow", action="store_true", help="print the logs until the job ends; exit 3 if it failed")
+    p.add_argument("--wait", action="store_true", help="wait until the job ends; exit 3 if it failed")
+    g = p.add_argument_group("ssh")
+    g.add_argument("--identity", type=Path, help="private key (default: ssh's own choice and agent)")
+    g.add_argument("--known-hosts", type=Path,
+                   help="speedrun's pinned host keys (default $SPEEDRUN_HOME/known_hosts)")
+    g.add_argument("--ssh-config", type=Path, help="ssh config file instead of ~/.ssh/config")
+    g.add_argument("--accept-new-host-keys", action="store_true",
+                   help="trust and pin the key of a host seen for the first time (host keys are checked strictly)")
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from speedrun.cluster.job import make_job
+
+    # Options may come before the name (argparse took them) or after it, up to `--` (parsed here:
+    # argparse cannot tell them from the torchrun arguments on its own).
+    argv = list(args.rest)
+    if "--" in argv:
+        cut = argv.index("--")
+        options, argv = argv[:cut], argv[cut + 1:]
+        if options:
+            again = argparse.ArgumentParser(prog="speedrun launch NAME", add_help=False)
+            add_launch_options(again)
+            again.parse_args(options, namespace=args)
+    if not argv:
+        raise SpeedrunError("nothing to launch: add `-- ARGS` for torchrun, e.g. -- -m speedrun train --recipe tiny")
+    hosts = [h for h in args.hosts.split(",") if h.strip()]
+    provider = args.provider or ("ssh" if hosts else "local")
+    num_tasks = args.tasks if args.tasks is not None else (len(hosts) if provider == "ssh" else 1)
+    env = {}
+    for item in args.env:
+        key, sep, value = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise SpeedrunError(f"bad --env {item!r}: write KEY=VALUE")
+        env[key] = value
+    setup = None
+    if args.setup is not None:
+        if not args.setup.is_file():
+            raise SpeedrunError(f"setup script {args.setup} does not exist")
+        setup = args.setup.read_text()
+    ssh = dict(identity_file=args.identity, known_hosts=args.known_hosts, ssh_config=args.ssh_config,
+               accept_new_host_keys=args.accept_new_host_keys) if provider == "ssh" else {}
+    job = make_job(args.name, num_tasks, provider=provider, hosts=hosts, run_root=args.run_root,
+                   run_name=args.run_name, setup=setup, sync=args.sync, restart=args.restart, python=args.python,
+                   **ssh)
+    argv = [a.replace("{run_dir}", job.run_dir) for a in argv]
+    already = job.reconnected
+    commands = job.launch(argv, nproc_per_node=args.nproc_per_node, name=args.window, env=env)
+    state = "reconnected (it was running; nothing started)" if already else "started"
+    print(f"job {job.name}: {len(job)} task(s), run dir {job.run_dir}: {state}")
+    print(f"  logs:   speedrun logs {job.name} -f\n  attach: speedrun attach {job.name} [TASK]\n"
+          f"  stop:   speedrun kill {job.name}")
+    if not (args.follow or args.wait):
+        return 0
+    if args.follow:
+        job.logs(args.window, follow=True)
+    results = [c.wait(check=False) for c in commands]
+    failed = [(t.index, r) for t, r in zip(job.tasks, results) if not r.ok]
+    for i, r in failed:
+        print(f"speedrun: task {i} failed with exit status {r.status} (log: {r.log})", file=sys.stderr)
+    return EXIT_COMMAND_FAILED if failed else 0
+
+
+def format_uptime(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    s = int(seconds)
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    from speedrun.cluster import registry
+    from speedrun.cluster.job import open_job
+
+    records = [registry.load(args.name)] if args.name else registry.load_all()
+    if not records:
+        print("no jobs (start one with `speedrun launch`)")
+        return 0
+    rows = [("JOB", "TASK", "HOST", "STATE", "UPTIME", "RUN DIR")]
+    for rec in records:
+        job = open_job(rec.name, probe=False)
+        for st in job.status(args.window):
+            rows.append((rec.name, str(st.index), st.host, st.state, format_uptime(st.uptime_s), rec.run_dir))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    return 0
+
+
+def cmd_attach(args: argparse.Namespace) -> int:
+    from speedrun.cluster.job import open_job
+
+    job = open_job(args.name)
+    if not 0 <= args.task < len(job):
+        raise SpeedrunError(f"job {args.name} has tasks 0..{len(job) - 1}, not {args.task}")
+    return job.attach(args.task, args.window)
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    from speedrun.cluster.job import open_job
+
+    job = open_job(args.name)
+    if args.task is not None and not 0 <= args.task < len(job):
+        raise SpeedrunError(f"job {args.name} has tasks 0..{len(job) - 1}, not {args.task}")
+    job.logs(args.window, follow=args.follow, tasks=None if args.task is None else [args.task])
+    return 0
+
+
+def cmd_kill(args: argparse.Namespace) -> int:
+    from speedrun.cluster.job import open_job
+
+    job = open_job(args.name, probe=False)
+    job.kill()
+    print(f"killed job {job.name} ({len(job)} task(s)); its logs stay in {job.run_dir}")
+    return 0
+
+
+def cmd_tb(args: argparse.Namespace) -> int:
+    from speedrun.cluster.job import open_job
+
+    job = open_job(args.name)
+    tb = job.tensorboard(local_port=args.port)
+    print(f"TensorBoard for {job.name}: {tb.url}  (Ctrl-C stops it)", flush=True)
+    try:
+        while tb.tunnel is None or tb.tunnel.poll() is None:
+            time.sleep(1)  # nothing to do but keep the tunnel open until Ctrl-C
+        print("speedrun: the ssh tunnel closed", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        tb.close()

@@ -1,0 +1,141 @@
+"""A Host is a machine that can run a bash script, receive files and send files back.
+
+Everything else in `speedrun.cluster` (tmux windows, setup, jobs) is built on these few operations,
+so one code path serves every kind of machine: `LocalHost` runs its scripts as a subprocess of this
+one, `SSHHost` (in ssh.py) runs them through the OpenSSH client, and a cloud provider only has to
+hand out SSH hosts.
+
+Scripts travel on bash's standard input (`bash -s`), never on a command line, so the commands they
+carry (and anything secret in them) do not show up in `ps` on either machine.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from speedrun.errors import SpeedrunError
+
+
+@dataclass
+class ShellResult:
+    """What a script run on a host returned."""
+
+    returncode: int
+    stdout: bytes
+    stderr: str
+
+    @property
+    def text(self) -> str:
+        """stdout decoded as UTF-8 (undecodable bytes replaced)."""
+        return self.stdout.decode("utf-8", errors="replace")
+
+
+class Host(ABC):
+    """One machine. `name` is how messages refer to it; `key` tells hosts apart (one setup per key)."""
+
+    name: str
+
+    @property
+    def key(self) -> str:
+        return self.name
+
+    @property
+    def is_local(self) -> bool:
+        return False
+
+    @abstractmethod
+    def shell(self, script: str, *, timeout: float | None = None) -> ShellResult:
+        """Run `script` with bash on the host and wait for it (timeout in seconds, None: no limit).
+
+        Raises SpeedrunError when the host cannot be reached; the script's own failures are in
+        the result's returncode and stderr.
+        """
+
+    @abstractmethod
+    def start_shell(self, script: str) -> subprocess.Popen:
+        """Start `script` with bash on the host; its output streams from the returned process's stdout."""
+
+    @abstractmethod
+    def put(self, local: Path, remote: str, *, exclude: Sequence[str] = (), mirror: bool = False) -> None:
+        """Copy a local file or directory to the absolute path `remote` on the host.
+
+        A directory's contents land in `remote` (made if missing). `exclude` holds rsync-style name
+        patterns to leave out; `mirror` also deletes files in `remote` that `local` does not have.
+        """
+
+    @abstractmethod
+    def get(self, remote: str, local: Path) -> None:
+        """Copy the file or directory at the absolute path `remote` on the host to `local`."""
+
+    @abstractmethod
+    def interactive_argv(self, argv: Sequence[str]) -> list[str]:
+        """The local command line that runs argv on the host attached to this terminal."""
+
+    def forward(self, local_port: int, remote_port: int) -> subprocess.Popen | None:
+        """Forward 127.0.0.1:local_port here to 127.0.0.1:remote_port on the host, until the returned
+        process ends. None when nothing is needed (the host is this machine)."""
+        return None
+
+    def close(self) -> None:
+        """Release connections held for this host (nothing for the local host)."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"
+
+
+class LocalHost(Host):
+    """This machine: scripts run as subprocesses, files are copied with shutil."""
+
+    name = "local"
+
+    @property
+    def is_local(self) -> bool:
+        return True
+
+    def shell(self, script: str, *, timeout: float | None = None) -> ShellResult:
+        try:
+            r = subprocess.run(["bash", "-s"], input=script.encode(), capture_output=True, timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            raise SpeedrunError(f"a command on this machine did not finish within {timeout:g} s") from e
+        return ShellResult(r.returncode, r.stdout, r.stderr.decode("utf-8", errors="replace"))
+
+    def start_shell(self, script: str) -> subprocess.Popen:
+        p = subprocess.Popen(["bash", "-s"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        p.stdin.write(script.encode())
+        p.stdin.close()
+        return p
+
+    def put(self, local: Path, remote: str, *, exclude: Sequence[str] = (), mirror: bool = False) -> None:
+        copy_path(Path(local), Path(remote), exclude=exclude, mirror=mirror)
+
+    def get(self, remote: str, local: Path) -> None:
+        copy_path(Path(remote), Path(local))
+
+    def interactive_argv(self, argv: Sequence[str]) -> list[str]:
+        return list(argv)
+
+
+def copy_path(src: Path, dst: Path, *, exclude: Sequence[str] = (), mirror: bool = False) -> None:
+    """Copy a file or directory tree from src to dst on this machine (see Host.put)."""
+    if not src.exists():
+        raise SpeedrunError(f"{src} does not exist")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if src.is_dir():
+        if mirror and dst.exists():
+            # Copy next to dst, then swap, so that dst is never half-made.
+            tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
+            shutil.copytree(src, tmp, ignore=shutil.ignore_patterns(*exclude), symlinks=True, dirs_exist_ok=True)
+            old = dst.with_name(f".{dst.name}.old.{os.getpid()}")
+            dst.rename(old)
+            tmp.rename(dst)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            shutil.copytree(src, dst, ignore=shutil.ignore_patterns(*exclude), symlinks=True, dirs_exist_ok=True)
+    else:
+        shutil.copy2(src, dst)

@@ -1,0 +1,79 @@
+"""speedrun's own files on the machine you launch from: pinned host keys and a record per job.
+
+    $SPEEDRUN_HOME (default ~/.config/speedrun)/
+        known_hosts        host keys learned with --accept-new-host-keys
+        jobs/<job>.json    how to find a job's hosts and run directory again (JobRecord)
+
+The records let `speedrun ls | logs | attach | kill | tb JOB` work from another shell, later.
+They hold no secrets: paths to keys, never keys.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from speedrun.errors import SpeedrunError
+
+
+def speedrun_home(home: str | os.PathLike | None = None) -> Path:
+    """The directory for speedrun's files: `home` if given, else $SPEEDRUN_HOME, else ~/.config/speedrun."""
+    if home is not None:
+        return Path(home).expanduser()
+    return Path(os.environ.get("SPEEDRUN_HOME") or Path.home() / ".config" / "speedrun")
+
+
+def default_known_hosts(home: str | os.PathLike | None = None) -> Path:
+    return speedrun_home(home) / "known_hosts"
+
+
+@dataclass
+class JobRecord:
+    """What `open_job` needs to reach a job again."""
+
+    name: str
+    num_tasks: int
+    provider: dict[str, Any]  # Provider.record()
+    run_dir: str
+    cwd: str | None  # where the job's commands run on each host; None: each task's log directory
+    tmux_socket: str = "speedrun"
+    python: str = "python3"
+    created: float = 0.0  # seconds since the epoch
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def save(record: JobRecord, home: str | os.PathLike | None = None) -> Path:
+    """Write the record atomically; returns its path."""
+    d = speedrun_home(home) / "jobs"
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / f"{record.name}.json"
+    with tempfile.NamedTemporaryFile("w", dir=d, prefix=f".{record.name}.", delete=False) as f:
+        json.dump(asdict(record), f, indent=2)
+    os.replace(f.name, path)
+    return path
+
+
+def load(name: str, home: str | os.PathLike | None = None) -> JobRecord:
+    """The record of job `name`; a SpeedrunError naming the known jobs if there is none."""
+    path = speedrun_home(home) / "jobs" / f"{name}.json"
+    if not path.exists():
+        known = ", ".join(r.name for r in load_all(home)) or "none"
+        raise SpeedrunError(f"no job named {name!r} was launched from here (known jobs: {known}); see `speedrun ls`")
+    try:
+        return JobRecord(**json.loads(path.read_text()))
+    except (ValueError, TypeError) as e:
+        raise SpeedrunError(f"the job record {path} is damaged ({e}): delete it and launch the job again")
+
+
+def load_all(home: str | os.PathLike | None = None) -> list[JobRecord]:
+    """Every job record, oldest first (damaged ones are skipped)."""
+    records = []
+    for path in sorted((speedrun_home(home) / "jobs").glob("*.json")):
+        try:
+            records.append(JobRecord(**json.loads(path.read_text())))
+        except (ValueError, TypeError):
+            continue
+    return sorted(records, key=lambda r: r.created)

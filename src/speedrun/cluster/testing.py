@@ -1,0 +1,329 @@
+"""Hosts for tests and benchmarks: network namespaces on this machine, each running its own sshd.
+
+`NetnsCluster(n)` makes n "machines" that the ssh provider reaches exactly as it would reach real
+ones: through the OpenSSH client, with a key and host keys made here, over a network of their own.
+
+    root namespace: bridge 198.51.100.(16k+1)/28
+        |-- veth --> namespace speedrun-k-0: eth0 198.51.100.(16k+2), lo, sshd on port 22
+        |-- veth --> namespace speedrun-k-1: eth0 198.51.100.(16k+3), lo, sshd on port 22
+        ...
+
+k is a slot (0..15) so that several test sessions can run at once; a slot is held with a file lock
+for the cluster's lifetime, and whatever a crashed session left in a slot is removed before reuse.
+Only addresses from 198.51.100.0/24 (TEST-NET-2) and loopback are ever used.
+
+The namespaces isolate the network only: the hosts share this machine's filesystem (which serves as
+the "shared storage" a real cluster would mount) and its users. Each sshd gives its sessions their
+own HOME and TMUX_TMPDIR (set from authorized_keys), so that per-host state such as tmux servers,
+setup marks and synced code is kept apart as it would be on separate machines. GLOO_SOCKET_IFNAME
+is set to eth0 there too: the machine's hostname resolves to an address outside the namespaces.
+
+Needs root, `ip` (iproute2), `ssh-keygen` and `/usr/sbin/sshd`.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+SUBNET_PREFIX = "198.51.100."
+SLOTS = 16  # 198.51.100.0/24 cut into sixteen /28 networks, one per cluster
+MAX_HOSTS = 13  # a /28 has 14 usable addresses, one of them the bridge's
+LOCK_DIR = Path("/run/speedrun-netns")
+SSHD = "/usr/sbin/sshd"
+
+
+def unavailable_reason() -> str | None:
+    """Why network-namespace hosts cannot be made here, or None when they can."""
+    if os.geteuid() != 0:
+        return "needs root to create network namespaces (run the tests as root)"
+    for tool in ("ip", "ssh", "ssh-keygen"):
+        if shutil.which(tool) is None:
+            return f"`{tool}` is not installed (apt-get install iproute2 openssh-client)"
+    if not os.access(SSHD, os.X_OK):
+        return f"{SSHD} is not installed (apt-get install openssh-server)"
+    probe = f"speedrun-probe-{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"network namespaces are unavailable here: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+@dataclass
+class NetnsHost:
+    """One namespace "machine"."""
+
+    index: int
+    namespace: str
+    address: str  # its IPv4 address on the cluster network
+    port: int  # where its sshd listens
+    dir: Path  # its sshd config, keys and logs
+    home: Path  # HOME for its ssh sessions
+    host_public_key: str  # "ssh-ed25519 AAAA..."
+    sshd: subprocess.Popen | None = None
+
+    @property
+    def spec(self) -> str:
+        """The host as the ssh provider takes it: user@address[:port]."""
+        return f"root@{self.address}" if self.port == 22 else f"root@{self.address}:{self.port}"
+
+    def known_hosts_line(self) -> str:
+        """This host's key as a known_hosts line."""
+        name = self.address if self.port == 22 else f"[{self.address}]:{self.port}"
+        return f"{name} {self.host_public_key}\n"
+
+    def exec(self, argv: list[str], **kwargs) -> subprocess.CompletedProcess:
+        """Run argv inside this host's namespace, directly (not over ssh)."""
+        return subprocess.run(["ip", "netns", "exec", self.namespace, *argv], **kwargs)
+
+
+class NetnsCluster:
+    """n hosts as network namespaces with sshd; use as a context manager.
+
+    After `start()`: `hosts`, `client_key` (private key that every host accepts for root) and
+    `known_hosts` (a file holding every host's key), ready for the ssh provider.
+    """
+
+    def __init__(self, num_hosts: int, workdir: str | os.PathLike | None = None):
+        if not 1 <= num_hosts <= MAX_HOSTS:
+            raise ValueError(f"num_hosts must be 1..{MAX_HOSTS}, got {num_hosts}")
+        self.num_hosts = num_hosts
+        self._own_workdir = workdir is None
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="speedrun-netns-"))
+        self.hosts: list[NetnsHost] = []
+        self.slot: int | None = None
+        self._lock_file = None
+
+    # --- names: all derive from the slot so that leftovers of a crashed session can be found ---
+    def _namespace(self, i: int) -> str:
+        return f"speedrun-{self.slot}-{i}"
+
+    def _bridge(self) -> str:
+        return f"srbr{self.slot}"
+
+    def _veth_root(self, i: int) -> str:
+        return f"sr{self.slot}h{i}"
+
+    def _veth_ns(self, i: int) -> str:
+        return f"sr{self.slot}n{i}"
+
+    @property
+    def client_key(self) -> Path:
+        return self.workdir / "client_key"
+
+    @property
+    def known_hosts(self) -> Path:
+        return self.workdir / "known_hosts"
+
+    @property
+    def specs(self) -> list[str]:
+        return [h.spec for h in self.hosts]
+
+    def address(self, i: int) -> str:
+        """The address of host i (i == -1: the bridge, i.e. this machine on the cluster network)."""
+        return f"{SUBNET_PREFIX}{16 * self.slot + 2 + i}"
+
+    # --- life cycle ---
+    def __enter__(self) -> "NetnsCluster":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        reason = unavailable_reason()
+        if reason:
+            raise RuntimeError(reason)
+        try:
+            self._take_slot()
+            self._remove_network()  # whatever a crashed session left in this slot
+            self._make_keys()
+            self._make_network()
+            for i in range(self.num_hosts):
+                self._start_sshd(self.hosts[i])
+            for h in self.hosts:
+                wait_for_port(h.address, h.port, timeout=20, what=f"sshd of {h.namespace}")
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        """Stop every process in the namespaces, delete them and the links; idempotent."""
+        if self.slot is None:
+            return
+        for h in self.hosts:
+            if h.sshd is not None and h.sshd.poll() is None:
+                h.sshd.terminate()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    h.sshd.wait(timeout=10)
+        self._remove_network()
+        if self._lock_file is not None:
+            self._lock_file.close()
+            self._lock_file = None
+        self.slot = None
+        if self._own_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    # --- steps ---
+    def _take_slot(self) -> None:
+        LOCK_DIR.mkdir(parents=True, exist_ok=True)
+        for slot in range(SLOTS):
+            f = open(LOCK_DIR / f"slot-{slot}.lock", "w")
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                f.close()
+                continue
+            self.slot, self._lock_file = slot, f
+            return
+        raise RuntimeError(f"all {SLOTS} network slots in {LOCK_DIR} are in use")
+
+    def _make_keys(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        keygen(self.client_key, comment="speedrun-test-client")
+        client_pub = Path(f"{self.client_key}.pub").read_text().strip()
+        self.hosts = []
+        for i in range(self.num_hosts):
+            d = self.workdir / f"host{i}"
+            home = d / "home"
+            (home / ".tmux").mkdir(parents=True, exist_ok=True)
+            keygen(d / "ssh_host_ed25519_key", comment=f"host{i}")
+            pub = (d / "ssh_host_ed25519_key.pub").read_text().split()
+            host = NetnsHost(
+                index=i, namespace=self._namespace(i), address=self.address(i), port=22, dir=d, home=home,
+                host_public_key=f"{pub[0]} {pub[1]}",
+            )
+            # The environment= options make this namespace feel like its own machine (see module doc).
+            env = {
+                "HOME": str(home),
+                "TMUX_TMPDIR": str(home / ".tmux"),
+                "PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"),
+                "GLOO_SOCKET_IFNAME": "eth0",
+            }
+            options = ",".join(f'environment="{k}={v}"' for k, v in env.items())
+            (d / "authorized_keys").write_text(f"{options} {client_pub}\n")
+            (d / "sshd_config").write_text(
+                "\n".join([
+                    f"ListenAddress {host.address}:{host.port}",
+                    f"HostKey {d / 'ssh_host_ed25519_key'}",
+                    f"PidFile {d / 'sshd.pid'}",
+                    f"AuthorizedKeysFile {d / 'authorized_keys'}",
+                    "PermitRootLogin prohibit-password",
+                    "PasswordAuthentication no",
+                    "KbdInteractiveAuthentication no",
+                    "UsePAM no",
+                    "StrictModes no",  # the temp dir's modes are not sshd's business here
+                    "PermitUserEnvironment yes",
+                    "MaxSessions 64",
+                    "MaxStartups 64",
+                    "AllowTcpForwarding local",
+                    "X11Forwarding no",
+                    "LogLevel ERROR",
+                    "",
+                ])
+            )
+            self.hosts.append(host)
+        self.known_hosts.write_text("".join(h.known_hosts_line() for h in self.hosts))
+
+    def _make_network(self) -> None:
+        bridge = self._bridge()
+        ip("link", "add", bridge, "type", "bridge")
+        ip("addr", "add", f"{self.address(-1)}/28", "dev", bridge)
+        ip("link", "set", bridge, "up")
+        for h in self.hosts:
+            i, ns = h.index, h.namespace
+            ip("netns", "add", ns)
+            ip("link", "add", self._veth_root(i), "type", "veth", "peer", "name", self._veth_ns(i))
+            ip("link", "set", self._veth_root(i), "master", bridge)
+            ip("link", "set", self._veth_root(i), "up")
+            ip("link", "set", self._veth_ns(i), "netns", ns)
+            ip("-n", ns, "link", "set", self._veth_ns(i), "name", "eth0")
+            ip("-n", ns, "addr", "add", f"{h.address}/28", "dev", "eth0")
+            ip("-n", ns, "link", "set", "eth0", "up")
+            ip("-n", ns, "link", "set", "lo", "up")
+
+    def _start_sshd(self, h: NetnsHost) -> None:
+        Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege-separation directory
+        log = open(h.dir / "sshd.log", "ab")
+        h.sshd = subprocess.Popen(
+            ["ip", "netns", "exec", h.namespace, SSHD, "-D", "-e", "-f", str(h.dir / "sshd_config")],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+        )
+        log.close()
+
+    def _remove_network(self) -> None:
+        namespaces = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
+        prefix = f"speedrun-{self.slot}-"
+        for ns in sorted(n for n in namespaces if n.startswith(prefix)):
+            kill_namespace_processes(ns)
+            ip("netns", "del", ns, check=False)
+        for i in range(MAX_HOSTS):
+            if Path(f"/sys/class/net/{self._veth_root(i)}").exists():
+                ip("link", "del", self._veth_root(i), check=False)
+        if Path(f"/sys/class/net/{self._bridge()}").exists():
+            ip("link", "del", self._bridge(), check=False)
+
+
+def kill_namespace_processes(namespace: str, timeout: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL, every process in a network namespace (sshd children, tmux servers...)."""
+    def pids() -> list[int]:
+        out = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True).stdout
+        return [int(p) for p in out.split()]
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + timeout
+        while pids() and time.monotonic() < deadline:
+            time.sleep(0.05)  # polling for the processes to be gone, with a bound
+        if not pids():
+            return
+
+
+def ip(*args: str, check: bool = True) -> None:
+    """Run `ip ARGS`; raise with its message when it fails and check is set."""
+    r = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if check and r.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)}: {r.stderr.strip()}")
+
+
+def keygen(path: Path, comment: str) -> None:
+    """Make an ed25519 key pair without a passphrase at path (and path.pub)."""
+    for p in (path, Path(f"{path}.pub")):
+        p.unlink(missing_ok=True)
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path)], check=True)
+
+
+def poll_until(condition, timeout: float, what: str):
+    """Call condition() until it returns something true (returned), for at most timeout seconds
+    (then TimeoutError). For tests: wait for a file or a state, never for a fixed time."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def wait_for_port(address: str, port: int, timeout: float, what: str) -> None:
+    """Poll until something accepts TCP connections on address:port, at most timeout seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(OSError), socket.create_connection((address, port), timeout=1):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not accept connections on {address}:{port} within {timeout:g} s")
+        time.sleep(0.05)

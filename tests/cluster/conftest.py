@@ -1,0 +1,97 @@
+"""Fixtures for the cluster tests: a private tmux server and speedrun home, and namespace hosts.
+
+Real parts only: real tmux, real sshd in network namespaces (speedrun.cluster.testing), real ssh.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from speedrun.cluster import make_job
+from speedrun.cluster.testing import NetnsCluster, unavailable_reason
+
+_names = itertools.count()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_speedrun(tmp_path_factory):
+    """A tmux server (TMUX_TMPDIR) and a speedrun home of this test session's own, removed afterwards."""
+    d = tmp_path_factory.mktemp("speedrun-env")
+    (d / "tmux").mkdir()
+    saved = {k: os.environ.get(k) for k in ("TMUX_TMPDIR", "SPEEDRUN_HOME", "TMUX")}
+    os.environ["TMUX_TMPDIR"] = str(d / "tmux")
+    os.environ["SPEEDRUN_HOME"] = str(d / "home")
+    os.environ.pop("TMUX", None)  # tests may run inside someone's tmux
+    yield d
+    subprocess.run(["tmux", "-L", "speedrun", "kill-server"], capture_output=True)
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture
+def job_name(request) -> str:
+    """A job name unique in this test session (jobs share the tmux server)."""
+    base = "".join(c if c.isalnum() else "-" for c in request.node.name)[:40].strip("-")
+    return f"{base}-{next(_names)}"
+
+
+@pytest.fixture
+def local_job(tmp_path, job_name) -> Callable:
+    """make_job for the local provider with a run root and host dir in tmp_path; jobs killed at the end."""
+    jobs = []
+
+    def make(name: str = job_name, num_tasks: int = 1, **kwargs):
+        kwargs.setdefault("run_root", str(tmp_path / "runs"))
+        kwargs.setdefault("host_dir", str(tmp_path / "host"))
+        job = make_job(name, num_tasks, **kwargs)
+        jobs.append(job)
+        return job
+
+    yield make
+    for job in jobs:
+        job.kill()
+
+
+@pytest.fixture(scope="session")
+def netns() -> NetnsCluster:
+    """Two hosts as network namespaces running sshd (see speedrun.cluster.testing)."""
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    cluster = NetnsCluster(2)
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def shared_dir(tmp_path_factory) -> Path:
+    """Storage every namespace host sees (they share this machine's filesystem)."""
+    return tmp_path_factory.mktemp("shared")
+
+
+@pytest.fixture
+def ssh_job(netns, shared_dir, job_name) -> Callable:
+    """make_job for the ssh provider on the namespace hosts; jobs killed at the end."""
+    jobs = []
+
+    def make(name: str = job_name, num_tasks: int = 2, **kwargs):
+        kwargs.setdefault("hosts", netns.specs)
+        kwargs.setdefault("identity_file", netns.client_key)
+        kwargs.setdefault("known_hosts", netns.known_hosts)
+        kwargs.setdefault("run_root", str(shared_dir / "runs"))
+        job = make_job(name, num_tasks, provider="ssh", **kwargs)
+        jobs.append(job)
+        return job
+
+    yield make
+    for job in jobs:
+        job.kill()
