@@ -60,7 +60,7 @@ class LoaderOptions:
 
     workers: int = 0
     pin_memory: bool = False
-    prefetch: int = 4
+    prefetch: int = 2
     draft: bool = True
 
 
@@ -272,7 +272,7 @@ class ImageFolderSource:
         val_examples: int | None = None,
         copies_dir: str | os.PathLike | None = None,
         pin_memory: bool | None = None,
-        prefetch: int = 4,
+        prefetch: int = 2,
         draft: bool = True,
     ):
         self.root = Path(path).expanduser()

@@ -1,0 +1,232 @@
+"""Train-pipeline throughput: speedrun's image-folder loader vs torchvision's, side by side.
+
+Both read the same generated ImageNet-shaped JPEG tree (mean ~400 x 350 px) with the same
+number of worker processes and batch size, and do RandomResizedCrop(size) + horizontal flip:
+- speedrun: DCT-scaled decode + one crop-and-resize per image, uint8 batches (channels-last),
+  decoded straight into a shared-memory batch buffer;
+- torchvision: ImageFolder + RandomResizedCrop + RandomHorizontalFlip + ToTensor + Normalize
+  with the DataLoader's default collate (float32 batches), the classic ImageNet pipeline.
+Each is timed over `--batches` batches after `--warmup` batches, in images/s; the defaults make
+the warm-up longer than the loader's whole prefetch queue (workers x 2 batches) and the timed
+window several times longer, so the figure is the steady state, not a drained queue. The ratio
+is speedrun / torchvision. A third row times speedrun reading the resized copy the 2018 recipes
+use at that size (160 px copy for crops <= 128 px, 352 px copy above), as training would. Also: `prepare` throughput (images/s and per
+core) making 160 and 352 px copies, and optionally (`--train`, CUDA) training images/s of a
+model fed by the speedrun loader, next to the same model fed by one batch kept on the GPU.
+
+    python benchmarks/loader.py                      # generates ~3,000 images in a temp dir
+    python benchmarks/loader.py --images 20000 --sizes 128 224 --train resnet50 --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def _timed(batches_iter, warmup: int, batches: int) -> tuple[float, int]:
+    """(images/s, images) over `batches` batches, after `warmup` untimed ones."""
+    it = iter(batches_iter)
+    for _ in range(warmup):
+        next(it)
+    images, start = 0, time.perf_counter()
+    for _ in range(batches):
+        x = next(it)[0]
+        images += x.shape[0]
+    return images / (time.perf_counter() - start), images
+
+
+def _enough_epochs(stream_factory, needed: int):
+    """Yield batches across epochs until the caller stops (tiny trees need several epochs)."""
+    epoch = 0
+    while True:
+        yield from stream_factory(epoch)
+        epoch += 1
+
+
+def bench_speedrun(tree: Path, size: int, batch: int, workers: int, warmup: int, batches: int,
+                   copy: int | None = None, copies_dir: Path | None = None) -> float:
+    from speedrun.data.base import Shard
+    from speedrun.data.imagefolder import ImageFolderSource
+    from speedrun.recipe import Phase
+
+    source = ImageFolderSource(tree, workers=workers, pin_memory=False, copies_dir=copies_dir)
+    stream = source.train_stream(Phase(0, 1, size=size, batch_size=batch, lr=0.1, copy=copy), Shard(), seed=0)
+
+    def epoch(e):
+        stream.set_epoch(e)
+        return iter(stream)
+
+    try:
+        rate, _ = _timed(_enough_epochs(epoch, warmup + batches), warmup, batches)
+    finally:
+        stream.close()
+    return rate
+
+
+def bench_torchvision(tree: Path, size: int, batch: int, workers: int, warmup: int, batches: int) -> float:
+    from torch.utils.data import DataLoader
+    from torchvision import datasets, transforms
+
+    tf = transforms.Compose([
+        transforms.RandomResizedCrop(size),
+        transforms.RandomHorizontalFlip(),
+        transforms.ToTensor(),
+        transforms.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]),
+    ])
+    loader = DataLoader(datasets.ImageFolder(str(tree / "train"), tf), batch_size=batch, shuffle=True,
+                        num_workers=workers, persistent_workers=workers > 0, drop_last=True)
+    rate, _ = _timed(_enough_epochs(lambda e: iter(loader), warmup + batches), warmup, batches)
+    del loader
+    return rate
+
+
+def bench_prepare(tree: Path, dst: Path, workers: int, sizes: list[int]) -> dict:
+    from speedrun.data.prepare import prepare
+
+    s = prepare(tree, dst, sizes, workers=workers, progress=False)
+    return {"images": s.images, "seconds": round(s.seconds, 2), "images_per_s": round(s.images_per_s, 1),
+            "images_per_s_per_core": round(s.images_per_s_per_core, 1), "workers": workers, "sizes": sizes}
+
+
+def bench_train(tree: Path, model_name: str, size: int, batch: int, workers: int, warmup: int, steps: int,
+                device_name: str = "cuda") -> dict:
+    """Training images/s (SGD step, bf16 autocast, channels-last) fed by the loader vs by one GPU batch."""
+    import torchvision
+
+    from speedrun.data.base import Shard, normalize_on_device
+    from speedrun.data.imagefolder import IMAGENET_MEAN, IMAGENET_STD, ImageFolderSource
+    from speedrun.recipe import Phase
+
+    device = torch.device(device_name)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    torch.backends.cudnn.benchmark = True
+    model = getattr(torchvision.models, model_name)(num_classes=1000).to(device, memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    mean = torch.tensor(IMAGENET_MEAN, device=device).view(3, 1, 1)
+    std = torch.tensor(IMAGENET_STD, device=device).view(3, 1, 1)
+
+    def step(x, y):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    def run(batches) -> float:
+        it = iter(batches)
+        for _ in range(warmup):
+            x, y = next(it)
+            step(normalize_on_device(x, mean, std, device, True), y.to(device, non_blocking=True))
+        sync()
+        start = time.perf_counter()
+        for _ in range(steps):
+            x, y = next(it)
+            step(normalize_on_device(x, mean, std, device, True), y.to(device, non_blocking=True))
+        sync()
+        return steps * batch / (time.perf_counter() - start)
+
+    source = ImageFolderSource(tree, workers=workers, pin_memory=device.type == "cuda")
+    stream = source.train_stream(Phase(0, 1, size=size, batch_size=batch, lr=0.1), Shard(), seed=0)
+
+    def epoch(e):
+        stream.set_epoch(e)
+        return iter(stream)
+
+    try:
+        fed = run(_enough_epochs(epoch, warmup + steps))
+    finally:
+        stream.close()
+    x0, y0 = next(iter(epoch(0)))
+    x0, y0 = x0.to(device), y0.to(device)
+    stream.close()
+
+    def same():
+        while True:
+            yield x0, y0
+
+    gpu_only = run(same())
+    return {"model": model_name, "size": size, "batch": batch, "loader_images_per_s": round(fed, 1),
+            "gpu_only_images_per_s": round(gpu_only, 1)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tree", type=Path, help="existing ImageNet-shaped tree (default: generate one in a temp dir)")
+    p.add_argument("--images", type=int, default=3000, help="training images to generate (default 3000)")
+    p.add_argument("--classes", type=int, default=20)
+    p.add_argument("--sizes", type=int, nargs="+", default=[224], help="crop sizes in px (default 224)")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)), help="decode processes (default: all cores)")
+    p.add_argument("--warmup", type=int, help="untimed batches first (default: 2 x workers + 4)")
+    p.add_argument("--batches", type=int, help="timed batches (default: max(30, 6 x workers))")
+    p.add_argument("--no-prepare", action="store_true", help="skip the prepare benchmark")
+    p.add_argument("--train", metavar="MODEL", help="also time training of this torchvision model on CUDA (e.g. resnet50)")
+    p.add_argument("--train-steps", type=int, default=60)
+    p.add_argument("--train-device", default="cuda", help="device for --train (default cuda)")
+    p.add_argument("--json", type=Path, help="write the results here too")
+    args = p.parse_args()
+    warmup = args.warmup if args.warmup is not None else 2 * args.workers + 4
+    batches = args.batches if args.batches is not None else max(30, 6 * args.workers)
+
+    results: dict = {"workers": args.workers, "batch": args.batch, "cpu_cores": os.cpu_count()}
+    tmp = None
+    tree = args.tree
+    if tree is None:
+        from speedrun.data.synth import imagenet_tree
+
+        tmp = Path(tempfile.mkdtemp(prefix="speedrun-bench-"))
+        tree = tmp / "imagenet"
+        per_class = max(1, args.images // args.classes)
+        start = time.perf_counter()
+        imagenet_tree(tree, classes=args.classes, train_per_class=per_class, val_per_class=max(1, per_class // 10),
+                      workers=args.workers)
+        print(f"generated {per_class * args.classes} train images in {time.perf_counter() - start:.1f} s at {tree}", flush=True)
+    copies = Path(tempfile.mkdtemp(prefix="speedrun-bench-sz-"))
+    try:
+        results["loader"] = []
+        for size in args.sizes:
+            ours = bench_speedrun(tree, size, args.batch, args.workers, warmup, batches)
+            theirs = bench_torchvision(tree, size, args.batch, args.workers, warmup, batches)
+            row = {"size": size, "speedrun_images_per_s": round(ours, 1), "torchvision_images_per_s": round(theirs, 1),
+                   "ratio": round(ours / theirs, 2)}
+            results["loader"].append(row)
+            print(f"{size:4d} px  full size: speedrun {ours:8,.0f} images/s   torchvision {theirs:8,.0f} images/s   "
+                  f"ratio {ours / theirs:.2f}x   ({args.workers} workers, batch {args.batch}, "
+                  f"{batches} timed batches)", flush=True)
+        if not args.no_prepare:
+            pr = bench_prepare(tree, copies, args.workers, [160, 352])
+            results["prepare"] = pr
+            print(f"prepare 160+352 px: {pr['images']} images in {pr['seconds']} s = {pr['images_per_s']:,.0f} images/s, "
+                  f"{pr['images_per_s_per_core']:,.0f} images/s per core ({args.workers} workers)", flush=True)
+            for row in results["loader"]:
+                copy = 160 if row["size"] <= 128 else 352
+                rate = bench_speedrun(tree, row["size"], args.batch, args.workers, warmup, batches, copy, copies)
+                row[f"speedrun_{copy}px_copy_images_per_s"] = round(rate, 1)
+                print(f"{row['size']:4d} px  speedrun from the {copy} px copy {rate:8,.0f} images/s   "
+                      f"({rate / row['torchvision_images_per_s']:.2f}x torchvision on full size)", flush=True)
+        if args.train:
+            results["train"] = []
+            for size in args.sizes:
+                # Warm-up past the prefetched queue, so the timed steps wait on the loader if it is slower.
+                tr = bench_train(tree, args.train, size, args.batch, args.workers, 4 * args.workers + 10,
+                                 args.train_steps, args.train_device)
+                results["train"].append(tr)
+                print(f"train {args.train} {size} px batch {args.batch}: fed by loader {tr['loader_images_per_s']:,.0f} "
+                      f"images/s, GPU-resident batch {tr['gpu_only_images_per_s']:,.0f} images/s", flush=True)
+    finally:
+        shutil.rmtree(copies, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
