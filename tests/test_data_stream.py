@@ -100,3 +100,17 @@ def test_build_source_dispatches_to_image_folders(tree):
     recipe = Recipe("t", (Phase(0, 1, size=32, batch_size=4, lr=0.1),), dataset="imagefolder", train_examples=12)
     source = build_source(recipe, str(tree), torch.device("cpu"), workers=0)
     assert isinstance(source, ImageFolderSource) and source.num_train == 12
+
+
+def test_dali_requested_without_dali_or_cuda_falls_back_to_the_cpu_loader(tree, caplog, monkeypatch):
+    import logging
+
+    from speedrun.data import dali
+    from speedrun.data.imagefolder import ImageFolderTrainStream
+
+    monkeypatch.setenv("SPEEDRUN_DALI", "0")
+    assert dali.available() is False
+    source = ImageFolderSource(tree, workers=0, dali=True)
+    with caplog.at_level(logging.WARNING, logger="speedrun.data"):
+        stream = source.train_stream(Phase(0, 1, size=32, batch_size=4, lr=0.1), Shard(), 0)
+    assert isinstance(stream, ImageFolderTrainStream) and "DALI requested but not usable" in caplog.text

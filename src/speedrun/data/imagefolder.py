@@ -257,7 +257,8 @@ class ImageFolderSource:
     path: the tree's root. workers, pin_memory, prefetch, draft: see `LoaderOptions` (None:
     chosen for this machine). train_examples / val_examples: a fixed subset (train: a seeded
     sample across all classes; val: the first N in index order). copies_dir: see the module
-    docstring.
+    docstring. dali: decode training batches on the GPU with NVIDIA DALI (`data.dali`); None
+    picks it when it is installed and CUDA is available.
     """
 
     channels = 3
@@ -274,6 +275,7 @@ class ImageFolderSource:
         pin_memory: bool | None = None,
         prefetch: int = 2,
         draft: bool = True,
+        dali: bool | None = None,
     ):
         self.root = Path(path).expanduser()
         self.options = LoaderOptions(
@@ -283,6 +285,7 @@ class ImageFolderSource:
             draft=draft,
         )
         self.train_examples, self.val_examples = train_examples, val_examples
+        self.dali = dali
         copies = copies_dir or os.environ.get("SPEEDRUN_COPIES") or f"{self.root.resolve()}-sz"
         self.copies_dir = Path(copies).expanduser()
         self.bad_images = BadImages()
@@ -346,6 +349,17 @@ class ImageFolderSource:
     def train_stream(self, phase: Phase, shard: Shard, seed: int) -> ImageFolderTrainStream:
         copy, _ = self._resolve(phase.copy)
         self._val_copy = copy
+        if self.dali or self.dali is None:
+            from speedrun.data import dali
+
+            if dali.available():
+                try:
+                    return dali.DaliTrainStream(self.copy_root(copy), self._train_split(copy), phase.size,
+                                                phase.min_scale, shard, seed, phase.batch_size)
+                except Exception as e:  # optional extra: never worse than the CPU loader
+                    log.warning("DALI pipeline failed (%s: %s); decoding on the CPU", type(e).__name__, e)
+            elif self.dali:
+                log.warning("DALI requested but not usable (not installed, no CUDA, or SPEEDRUN_DALI=0); decoding on the CPU")
         dataset = _TrainDecoder(self.copy_root(copy), self._train_split(copy), phase.size, phase.min_scale,
                                 seed, self.options.draft)
         return ImageFolderTrainStream(dataset, shard, seed, phase.batch_size, self.options, self.bad_images)
