@@ -106,7 +106,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         raise SpeedrunError("nothing to launch: add `-- ARGS` for torchrun, e.g. -- -m speedrun train --recipe tiny")
     hosts = [h for h in args.hosts.split(",") if h.strip()]
     provider = args.provider or ("ssh" if hosts else "local")
-    num_tasks = args.tasks if args.tasks is not None else (len(hosts) if provider == "ssh" else 1)
+    num_tasks = args.tasks if args.tasks is not None else (len(hosts) or 1)
     env = {}
     for item in args.env:
         key, sep, value = item.partition("=")

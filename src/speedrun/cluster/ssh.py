@@ -107,8 +107,9 @@ class SSHHost(Host):
         self._rsync: bool | None = None
 
     # --- command lines ---
-    def ssh_options(self) -> list[str]:
-        """Options common to every ssh (and rsync) call for this host."""
+    def ssh_options(self, *, multiplex: bool = True) -> list[str]:
+        """Options common to every ssh (and rsync) call for this host; multiplex=False leaves out the
+        master connection's socket (ssh takes an option's first value, so it cannot be overridden)."""
         o = self.options
         o.known_hosts.parent.mkdir(parents=True, exist_ok=True)
         o.known_hosts.touch(exist_ok=True)
@@ -125,7 +126,7 @@ class SSHHost(Host):
             "-o", "ServerAliveInterval=15",
             "-o", "ServerAliveCountMax=4",
             "-o", "LogLevel=ERROR",
-            "-o", f"ControlPath={self.control_path}",
+            "-o", f"ControlPath={self.control_path if multiplex else 'none'}",
         ]
         if o.identity_file is not None:
             args += ["-i", str(o.identity_file), "-o", "IdentitiesOnly=yes"]
@@ -195,7 +196,7 @@ class SSHHost(Host):
     def forward(self, local_port: int, remote_port: int) -> subprocess.Popen:
         self.connect()  # checks the host key and reports errors clearly before the tunnel starts
         # A connection of its own (ControlPath=none), so the tunnel lives exactly as long as this process.
-        argv = ["ssh", *self.ssh_options(), "-o", "ControlPath=none", "-o", "ExitOnForwardFailure=yes", "-N",
+        argv = ["ssh", *self.ssh_options(multiplex=False), "-o", "ExitOnForwardFailure=yes", "-N",
                 "-L", f"127.0.0.1:{local_port}:127.0.0.1:{remote_port}", self.spec.destination]
         return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 

@@ -1,0 +1,66 @@
+"""`speedrun launch | ls | logs | kill` from the command line (in this process: same code, no startup)."""
+from __future__ import annotations
+
+import pytest
+
+from speedrun.cli import main
+
+
+def test_ls_logs_and_kill_a_local_job(local_job, capsys):
+    job = local_job(num_tasks=2)
+    for t in job:
+        t.run(f"echo hello {t.index}", name="train")
+    assert main(["ls", job.name]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["JOB", "TASK", "HOST", "STATE", "UPTIME", "RUN", "DIR"]
+    assert [line.split()[:4] for line in lines[1:]] == [[job.name, "0", "local", "succeeded"],
+                                                        [job.name, "1", "local", "succeeded"]]
+    assert all(line.split()[5] == job.run_dir for line in lines[1:])
+
+    assert main(["logs", job.name]) == 0
+    assert sorted(capsys.readouterr().out.splitlines()) == ["[0] hello 0", "[1] hello 1"]
+    assert main(["logs", job.name, "1", "--follow"]) == 0
+    assert capsys.readouterr().out == "hello 1\n"
+
+    assert main(["ls"]) == 0  # all jobs: this one among them
+    assert any(line.startswith(job.name + " ") for line in capsys.readouterr().out.splitlines())
+    assert main(["kill", job.name]) == 0
+    capsys.readouterr()
+    main(["ls", job.name, "--window", "none"])
+    assert [line.split()[3] for line in capsys.readouterr().out.splitlines()[1:]] == ["stopped", "stopped"]
+
+
+def error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("speedrun: error: "), err
+    return err
+
+
+def test_a_refused_host_is_one_line_and_exit_status_2(netns, shared_dir, capsys):
+    # options after the job name, before `--`, are understood too
+    code = main(["launch", "refused-cli", "--hosts", f"root@{netns.hosts[1].address}:2222",
+                 "--identity", str(netns.client_key), "--known-hosts", str(netns.known_hosts),
+                 "--run-root", str(shared_dir), "--", "train.py"])
+    assert code == 2
+    assert "connection refused" in error_line(capsys)
+
+
+def test_an_unknown_host_key_is_one_line_and_exit_status_2(netns, shared_dir, tmp_path, capsys):
+    code = main(["launch", "unknown-key-cli", "--hosts", netns.specs[0], "--identity", str(netns.client_key),
+                 "--known-hosts", str(tmp_path / "empty"), "--run-root", str(shared_dir), "--", "train.py"])
+    assert code == 2
+    assert "--accept-new-host-keys" in error_line(capsys)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["launch", "j"], "nothing to launch"),
+    (["launch", "j", "--env", "novalue", "--", "x.py"], "bad --env"),
+    (["launch", "bad name", "--", "x.py"], "bad job name"),
+    (["launch", "j", "--provider", "ssh", "--", "x.py"], "needs hosts"),
+    (["logs", "never-launched"], "no job named 'never-launched'"),
+    (["kill", "never-launched"], "no job named"),
+    (["attach", "never-launched"], "no job named"),
+])
+def test_bad_input_is_one_line_and_exit_status_2(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in error_line(capsys)

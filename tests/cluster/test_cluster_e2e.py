@@ -1,0 +1,101 @@
+"""End to end: torchrun launched on every task, through the API and from the command line.
+
+The two-host runs train the real `tiny` recipe with `speedrun train` under torchrun (gloo, one
+process per host), on hosts that are network namespaces of this machine sharing its filesystem.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from speedrun.cli import main
+from speedrun.recipe import load_recipe
+
+HERE = Path(__file__).parent
+TRAIN = ["-m", "speedrun", "train", "--recipe", "tiny", "--device", "cpu"]
+# One thread per process: two processes with a thread per core each would fight over two cores.
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+
+pytestmark = pytest.mark.slow
+
+
+def last_epoch() -> str:
+    """How the trainer's log line for the tiny recipe's last epoch starts (e.g. "epoch   3/3")."""
+    n = load_recipe("tiny").epochs
+    return rf"epoch\s+{n}/{n}\b"
+
+
+def check_trained(run_dir: str, num_tasks: int) -> None:
+    """The trainer's outputs and each task's torchrun log are in the run directory."""
+    run = Path(run_dir)
+    results = json.loads((run / "results.json").read_text())
+    assert results["status"] == "finished" and results["world_size"] == num_tasks
+    assert results["epochs_run"] == load_recipe("tiny").epochs
+    assert list((run / "tb").glob("events.out.tfevents.*"))
+    logs = [next((run / f"task-{i}" / "cmds").glob("*-train")) / "log" for i in range(num_tasks)]
+    assert re.search(last_epoch(), logs[0].read_text())
+    for i, log in enumerate(logs):
+        assert (log.parent / "status").read_text().strip() == "0", log.read_text()[-2000:]
+        assert f"--node-rank={i}" in (log.parent / "command.sh").read_text()
+
+
+def test_local_launch_runs_one_torchrun_per_task(local_job, tmp_path):
+    job = local_job(num_tasks=2)
+    commands = job.launch([str(HERE / "allreduce.py"), job.run_dir], env=ONE_THREAD)
+    results = job.wait(timeout=300)
+    assert [r.status for r in results] == [0, 0]
+    records = [json.loads(Path(job.run_dir, f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [(r["rank"], r["world_size"], r["sum"], r["task"]) for r in records] == [(0, 2, 3.0, "0"), (1, 2, 3.0, "1")]
+    assert all(r["run_dir"] == job.run_dir for r in records)
+    assert "rank 0 of 2: sum 3" in results[0].output
+    # launching again while the job exists reconnects to what ran rather than starting it twice
+    again = local_job(num_tasks=2)
+    assert not again.reconnected  # it had finished: a fresh run
+    assert [c.name for c in commands] == ["train", "train"]
+
+
+def test_two_hosts_train_through_the_api(ssh_job):
+    job = ssh_job()
+    job.launch([*TRAIN, "--out", job.run_dir], env=ONE_THREAD)
+    relaunched = ssh_job()  # the experiment script run again while training: reconnects
+    assert relaunched.reconnected and relaunched.run_dir == job.run_dir
+    relaunched.launch([*TRAIN, "--out", job.run_dir])  # nothing new is started
+    results = job.wait(timeout=600)
+    assert [r.status for r in results] == [0, 0]
+    assert [len(list(Path(job.run_dir, f"task-{i}", "cmds").glob("*-train"))) for i in (0, 1)] == [1, 1]
+    check_trained(job.run_dir, 2)
+
+
+def speedrun(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """The real command line, in a process of its own."""
+    return subprocess.run([sys.executable, "-m", "speedrun", *args], capture_output=True, text=True,
+                          timeout=timeout, env=os.environ.copy())
+
+
+def test_two_hosts_train_from_the_cli(netns, shared_dir, job_name, capsys):
+    ssh = ["--hosts", ",".join(netns.specs), "--identity", str(netns.client_key),
+           "--known-hosts", str(netns.known_hosts), "--run-root", str(shared_dir / "cli-runs")]
+    r = speedrun("launch", job_name, *ssh, "--env", "OMP_NUM_THREADS=1", "--follow", "--", *TRAIN, "--out", "{run_dir}")
+    assert r.returncode == 0, r.stderr
+    run_dir = r.stdout.split("run dir ", 1)[1].split(":", 1)[0]
+    assert run_dir == str(shared_dir / "cli-runs" / job_name / "run.01")
+    assert re.search(r"^\[0\] " + last_epoch(), r.stdout, re.M)  # --follow printed task 0's log
+    check_trained(run_dir, 2)
+
+    # The other commands in this process (`speedrun` costs seconds to start: it imports torch).
+    assert main(["ls", job_name]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert [tuple(row[:4]) for row in rows] == [
+        (job_name, "0", netns.specs[0], "succeeded"), (job_name, "1", netns.specs[1], "succeeded")]
+    assert main(["logs", job_name, "1"]) == 0
+    assert "epoch" not in capsys.readouterr().out  # task 1 is rank 1, and the trainer prints on rank 0
+    assert main(["kill", job_name]) == 0
+    assert run_dir in capsys.readouterr().out
+    assert main(["ls", job_name, "--window", "nothing"]) == 0
+    assert [line.split()[3] for line in capsys.readouterr().out.splitlines()[1:]] == ["stopped", "stopped"]

@@ -1,0 +1,173 @@
+"""The ssh provider against real sshd servers in network namespaces (speedrun.cluster.testing)."""
+from __future__ import annotations
+
+import io
+import subprocess
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from speedrun.cluster import CommandFailed, make_job
+from speedrun.cluster.ssh import SSHHost, SSHOptions
+from speedrun.cluster.testing import poll_until
+from speedrun.errors import SpeedrunError
+
+pytestmark = pytest.mark.netns
+
+
+def test_each_host_is_its_own_machine(ssh_job, netns):
+    job = ssh_job()
+    assert [t.ip for t in job] == [h.address for h in netns.hosts]
+    results = job.run("echo $HOME; hostname -I")
+    for r, h in zip(results, netns.hosts):
+        home, addresses = r.output.splitlines()
+        assert home == str(h.home) and addresses.split() == [h.address]
+    # both tasks write in the one run directory on the shared storage
+    for i, r in enumerate(results):
+        assert r.log.startswith(f"{job.run_dir}/task-{i}/cmds/") and Path(r.log).read_text() == r.output
+
+
+def test_exit_status_output_and_shell_text_over_ssh(ssh_job):
+    job = ssh_job(num_tasks=1)
+    text = """echo "it's \\"quoted\\"" # a comment
+(sleep 0.01; echo amp) & wait
+cat <<'EOF'
+$NOT_EXPANDED & # kept
+EOF
+exit 4"""
+    r = job[0].run(text, check=False)
+    assert r.status == 4
+    assert r.output.splitlines() == ["it's \"quoted\"", "amp", "$NOT_EXPANDED & # kept"]
+    with pytest.raises(CommandFailed, match=r"exit status 4 .*amp \| \$NOT_EXPANDED & # kept"):
+        job[0].run(text)
+
+
+def test_upload_and_download(ssh_job, tmp_path):
+    job = ssh_job(num_tasks=1)
+    t = job[0]
+    src = tmp_path / "src"
+    (src / "deep" / "er").mkdir(parents=True)
+    (src / "deep" / "er" / "f.bin").write_bytes(bytes(range(256)) * 10)
+    (src / "name with space.txt").write_text("spaced")
+    for use_rsync in (True, False):  # rsync over ssh, and tar through ssh for hosts without rsync
+        t.host._rsync = use_rsync
+        dest = f"up-{use_rsync}"
+        t.upload(src, dest)
+        assert t.read(f"{dest}/name with space.txt") == "spaced"
+        t.upload(src / "deep" / "er" / "f.bin", f"single-{use_rsync}/f.bin")
+        back = tmp_path / f"back-{use_rsync}"
+        t.download(dest, back)
+        assert (back / "deep" / "er" / "f.bin").read_bytes() == bytes(range(256)) * 10
+        t.download(f"single-{use_rsync}/f.bin", tmp_path / f"f-{use_rsync}.bin")
+        assert (tmp_path / f"f-{use_rsync}.bin").read_bytes() == bytes(range(256)) * 10
+    t.host._rsync = None
+    with pytest.raises(SpeedrunError, match="does not exist"):
+        t.upload(tmp_path / "missing")
+
+
+def test_reconnect_does_not_kill_a_running_job(ssh_job, shared_dir, job_name):
+    gate = shared_dir / f"{job_name}.gate"
+    job = ssh_job()
+    first = job.run(f"while [ ! -e {gate} ]; do sleep 0.05; done; echo released", background=True, name="train")
+    again = ssh_job()
+    assert again.reconnected and again.run_dir == job.run_dir
+    assert [c.state() for c in first] == ["running", "running"]
+    assert [c.dir for c in again.commands("train")] == [c.dir for c in first]
+    gate.touch()
+    assert [r.output for r in again.wait()] == ["released\n", "released\n"]
+
+
+def test_setup_runs_once_on_each_host(ssh_job, netns, shared_dir, job_name):
+    log = shared_dir / f"{job_name}.setup-log"
+    setup = f'echo "$(hostname -I)" >> {log}\n'
+    ssh_job(setup=setup)
+    assert sorted(log.read_text().split()) == sorted(h.address for h in netns.hosts)
+    ssh_job(setup=setup)
+    assert len(log.read_text().split()) == 2  # unchanged: not run again
+    ssh_job(setup=setup + "true\n")
+    assert len(log.read_text().split()) == 4  # changed: run again on both
+
+
+def test_sync_to_every_host(ssh_job, tmp_path):
+    tree = tmp_path / "tree"
+    (tree / ".git").mkdir(parents=True)
+    (tree / ".git" / "config").write_text("x")
+    (tree / "train.py").write_text("print('hi')")
+    job = ssh_job(sync=tree)
+    results = job.run("pwd; ls -A")
+    for t, r in zip(job, results):
+        cwd, *files = r.output.split()
+        assert cwd == f"{t.home}/.speedrun/code/{job.name}" and files == ["train.py"]
+
+
+def test_a_host_refusing_connections_is_a_clear_error(netns, shared_dir):
+    with pytest.raises(SpeedrunError) as e:
+        make_job("refused", 1, provider="ssh", hosts=[f"root@{netns.hosts[0].address}:2222"],
+                 identity_file=netns.client_key, known_hosts=netns.known_hosts, run_root=str(shared_dir))
+    msg = str(e.value)
+    assert "connection refused" in msg and f"{netns.hosts[0].address}:2222" in msg and "\n" not in msg
+
+
+def test_an_unknown_host_key_is_refused_unless_asked(netns, shared_dir, tmp_path):
+    pinned = tmp_path / "known_hosts"  # empty: nothing known
+    kwargs = dict(provider="ssh", hosts=[netns.specs[1]], identity_file=netns.client_key, known_hosts=pinned,
+                  run_root=str(shared_dir))
+    with pytest.raises(SpeedrunError, match="host key of .* is not known .*--accept-new-host-keys"):
+        make_job("unknown-key", 1, **kwargs)
+    assert pinned.read_text() == ""
+    job = make_job("unknown-key", 1, accept_new_host_keys=True, **kwargs)
+    assert job[0].run("echo in").output == "in\n"
+    assert pinned.read_text() == netns.hosts[1].known_hosts_line()  # pinned in speedrun's file
+    job.kill()
+    job.close()
+    job = make_job("unknown-key", 1, **kwargs)  # strict again: the pinned key is enough
+    assert job[0].run("echo again").output == "again\n"
+    job.kill()
+    job.close()
+
+
+def test_a_changed_host_key_is_refused_even_when_accepting_new_ones(netns, shared_dir, tmp_path):
+    wrong = tmp_path / "known_hosts"
+    h0, h1 = netns.hosts
+    wrong.write_text(f"{h0.address} {h1.host_public_key}\n")  # another host's key under h0's name
+    with pytest.raises(SpeedrunError, match="differs from the one pinned"):
+        make_job("changed-key", 1, provider="ssh", hosts=[h0.spec], identity_file=netns.client_key,
+                 known_hosts=wrong, accept_new_host_keys=True, run_root=str(shared_dir))
+
+
+def test_ssh_command_lines_check_host_keys_strictly(netns, tmp_path):
+    host = SSHHost(netns.specs[0], SSHOptions(known_hosts=tmp_path / "kh"))
+    opts = " ".join(host.ssh_options())
+    assert "StrictHostKeyChecking=yes" in opts and "BatchMode=yes" in opts
+    assert "StrictHostKeyChecking=no" not in opts and "/dev/null" not in opts
+    host = SSHHost(netns.specs[0], SSHOptions(known_hosts=tmp_path / "kh", accept_new_host_keys=True))
+    assert "StrictHostKeyChecking=accept-new" in host.ssh_options()
+
+
+def test_logs_follow_over_ssh(ssh_job):
+    job = ssh_job()
+    job.run("for i in 1 2 3; do echo line$i; done", background=True, name="train")
+    out = io.StringIO()
+    job.logs(follow=True, out=out)
+    assert sorted(out.getvalue().splitlines()) == sorted(f"[{t}] line{i}" for t in (0, 1) for i in (1, 2, 3))
+
+
+@pytest.mark.slow
+def test_tensorboard_is_bound_to_localhost_and_forwarded(ssh_job, netns):
+    job = ssh_job()
+    job[0].write(f"{job.run_dir}/tb/placeholder.txt", "")
+    tb = job.tensorboard()
+    try:
+        assert tb.url.startswith("http://127.0.0.1:")
+        with urllib.request.urlopen(tb.url, timeout=30) as page:
+            assert page.status == 200 and b"TensorBoard" in page.read()
+        # on the host it listens on 127.0.0.1 only: its network address gets nothing
+        remote_port = int(job[0].read(f"{tb.command.dir}/command.sh").split("--port ")[1].split()[0])
+        listening = netns.hosts[0].exec(["ss", "-Hltn", f"sport = :{remote_port}"], capture_output=True,
+                                        text=True).stdout
+        assert listening.split()[3] == f"127.0.0.1:{remote_port}"
+    finally:
+        tb.close()
+    poll_until(lambda: tb.tunnel.poll() is not None, 30, "the tunnel to close")
+    assert tb.command.state() == "killed"
