@@ -82,7 +82,7 @@ class Index:
         return {"train": self.train, "val": self.val}[name]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class _Entry:
     """One file found by the walk: where it is and what stat said."""
 
@@ -104,6 +104,8 @@ def _is_image_name(name: str) -> bool:
 def _walk_class(root: Path, split: str, cls: str, bad: list[BadFile]) -> Iterator[_Entry]:
     """Every image-named file under ``root/split/cls``, following folder symlinks without loops."""
     top = root / split / cls
+    # String slicing, not Path.relative_to: this runs once per file (1.3M times for ImageNet).
+    cut = len(str(root)) + 1
     seen: set[tuple[int, int]] = set()
     stack = [top]
     while stack:
@@ -112,16 +114,16 @@ def _walk_class(root: Path, split: str, cls: str, bad: list[BadFile]) -> Iterato
             st = folder.stat()
             key = (st.st_dev, st.st_ino)
             if key in seen:
-                bad.append(BadFile(str(folder.relative_to(root)), "folder symlink loop (already visited)"))
+                bad.append(BadFile(str(folder)[cut:], "folder symlink loop (already visited)"))
                 continue
             seen.add(key)
             entries = sorted(os.scandir(folder), key=lambda e: e.name)
         except OSError as e:
-            bad.append(BadFile(str(folder.relative_to(root)), f"cannot list folder: {e.strerror or e}"))
+            bad.append(BadFile(str(folder)[cut:], f"cannot list folder: {e.strerror or e}"))
             continue
         subfolders = []
         for entry in entries:
-            rel = str(Path(entry.path).relative_to(root))
+            rel = entry.path[cut:]
             try:
                 is_dir = entry.is_dir(follow_symlinks=True)
             except OSError as e:  # e.g. a symlink loop (ELOOP)
