@@ -181,6 +181,15 @@ class _EpochBatchSampler:
             yield [(epoch, r) for r in rows[i : i + bs]]
 
 
+def _sample(split: Split, limit: int | None) -> Split:
+    """A fixed, seeded sample of `limit` rows in index order; not the first N, because the
+    index is sorted by class and the first N would be a few classes only."""
+    if limit is None or limit >= len(split):
+        return split
+    rows = np.random.default_rng(SUBSET_SEED).permutation(len(split))[:limit]
+    return split.subset(np.sort(rows))
+
+
 # ---------------------------------------------------------------------------------------------
 # The stream and the source
 
@@ -255,8 +264,8 @@ class ImageFolderSource:
     """An ImageNet-layout tree (and its resized copies) as a `DataSource`.
 
     path: the tree's root. workers, pin_memory, prefetch, draft: see `LoaderOptions` (None:
-    chosen for this machine). train_examples / val_examples: a fixed subset (train: a seeded
-    sample across all classes; val: the first N in index order). copies_dir: see the module
+    chosen for this machine). train_examples / val_examples: a fixed, seeded sample of that many
+    images across all classes (the same for every run). copies_dir: see the module
     docstring. dali: decode training batches on the GPU with NVIDIA DALI (`data.dali`); None
     picks it when it is installed and CUDA is available.
     """
@@ -331,18 +340,10 @@ class ImageFolderSource:
         return copy, index
 
     def _train_split(self, copy: int | None) -> Split:
-        split = self._resolve(copy)[1].train
-        if self.train_examples is not None and self.train_examples < len(split):
-            # A seeded sample, not the first N: the index is sorted by class.
-            rows = np.random.default_rng(SUBSET_SEED).permutation(len(split))[: self.train_examples]
-            split = split.subset(np.sort(rows))
-        return split
+        return _sample(self._resolve(copy)[1].train, self.train_examples)
 
     def _val_split(self, copy: int | None) -> Split:
-        split = self._resolve(copy)[1].val
-        if self.val_examples is not None and self.val_examples < len(split):
-            split = split.subset(np.arange(self.val_examples))
-        return split
+        return _sample(self._resolve(copy)[1].val, self.val_examples)
 
     # -- DataSource ------------------------------------------------------------------------
 
