@@ -55,7 +55,7 @@ HELPERS = r"""alive() {  # is process $1 running? (a zombie is not)
 }
 cmd_running() {  # is the command in directory $1 running? (no status yet, and its wrapper alive)
     local p
-    [ ! -e "$1/status" ] && { read -r p < "$1/pid"; } 2>/dev/null && alive "$p"
+    [ ! -s "$1/status" ] && { read -r p < "$1/pid"; } 2>/dev/null && alive "$p"
 }
 group_alive() {  # is any process of process group $1 running?
     ps -e -o pgid=,stat= | { while read -r g st; do [ "$g" = "$1" ] && [ "${st#Z}" = "$st" ] && exit 0; done; exit 1; }
@@ -157,9 +157,10 @@ def wrapper(*, cwd: str, env: Mapping[str, str], signal_channel: str | None, kee
 # Written by speedrun: runs command.sh in this directory, copies its output to `log` and to the
 # terminal, and writes the exit status to `status` ("killed" when stopped by a signal).
 d=${{0%/*}}
+s=killed
 finish() {{
     trap - EXIT HUP INT TERM
-    if [ -e "$d/status.tmp" ]; then mv -f "$d/status.tmp" "$d/status"; else echo killed > "$d/status"; fi
+    echo "$s" > "$d/status"
 {signal}}}
 trap finish EXIT
 trap 'exit 129' HUP
@@ -167,10 +168,13 @@ trap 'exit 130' INT
 trap 'exit 143' TERM
 {keep}"""
     tail = f"""export PYTHONUNBUFFERED=1
-{exports}if ! cd {q(cwd)} 2>>"$d/log"; then echo 1 > "$d/status.tmp"; exit 1; fi
-# In the background and waited for, so that a signal is handled at once rather than when it ends.
-{{ bash "$d/command.sh"; echo $? > "$d/status.tmp"; }} 2>&1 | tee -a "$d/log" &
-wait
+{exports}if ! cd {q(cwd)} 2>>"$d/log"; then s=1; exit 1; fi
+# pipefail: the pipeline's status is the command's (unless tee fails). In the background and waited
+# for, so that a signal is handled at once rather than when the command ends.
+set -o pipefail
+bash "$d/command.sh" 2>&1 | tee -a "$d/log" &
+wait $!
+s=$?
 """
     return head, tail
 
@@ -186,9 +190,14 @@ def start_command(socket: str, session: str, task_dir: str, seq: int, name: str,
     busy = (f'tm list-panes -s -t "=$S:" -F "#{{pane_dead}} #{{window_name}}" | grep -qxF {q("0 " + name)} '
             f'&& {{ echo "a command named {name} is still running" >&2; exit 4; }}') if unique_window else ""
     wait = f"""tm wait-for {q(wait_channel)}
-if [ -e "$d/status" ]; then read -r s < "$d/status"; else s=lost; fi
+if [ -s "$d/status" ]; then read -r s < "$d/status"; else s=lost; fi
 echo "status=$s"
-cat "$d/log" 2>/dev/null""" if wait_channel else ""
+# The log: read by bash itself when small (most are), which spares starting `cat`.
+if {{ IFS= read -r -d '' -N 16384 out < "$d/log"; }} 2>/dev/null; [ "${{#out}}" -lt 16384 ]; then
+    printf '%s' "$out"
+else
+    cat "$d/log"
+fi""" if wait_channel else ""
     return script(socket, f"""
 S={q(session)}
 {busy}
@@ -217,7 +226,7 @@ echo "pid=${{w#* }}"
 
 STATE = """
 if cmd_running "$d"; then echo status=running
-elif [ -e "$d/status" ]; then read -r s < "$d/status"; echo "status=$s"
+elif [ -s "$d/status" ]; then read -r s < "$d/status"; echo "status=$s"
 elif [ -d "$d" ]; then echo status=lost
 else echo status=missing
 fi"""
