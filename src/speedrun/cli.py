@@ -8,11 +8,12 @@ Exit codes: 0 success; 1 internal error (traceback saved to a file, path printed
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import traceback
 
-from speedrun.errors import SpeedrunError
+from speedrun.errors import SpeedrunError, TrainingFailed
 
 EXIT_OK, EXIT_INTERNAL, EXIT_BAD_INPUT, EXIT_TRAINING_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
@@ -43,16 +44,29 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except SpeedrunError as e:
-        print(f"speedrun: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
-        print("speedrun: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return report(e, "error", EXIT_BAD_INPUT)
+    except TrainingFailed as e:
+        return report(e, "training failed", EXIT_TRAINING_FAILED)
+    except KeyboardInterrupt as e:
+        return report(e, "interrupted", EXIT_INTERRUPTED)
     except Exception as e:  # a bug: keep the traceback, but in a file
         with tempfile.NamedTemporaryFile("w", prefix="speedrun-crash-", suffix=".txt", delete=False) as f:
             traceback.print_exc(file=f)
-        print(f"speedrun: internal error: {type(e).__name__}: {e} (traceback in {f.name})", file=sys.stderr)
-        return EXIT_INTERNAL
+        return report(e, "internal error", EXIT_INTERNAL, f" (traceback in {f.name})")
+
+
+def report(error: BaseException, kind: str, code: int, suffix: str = "") -> int:
+    """Print one line for `error` and return `code`. Under torchrun the line names the rank, and
+    the error is also written where torchrun's failure summary will show it."""
+    message = str(error) if kind != "internal error" else f"{type(error).__name__}: {error}"
+    where = f"rank {os.environ['RANK']}: " if "RANK" in os.environ and "TORCHELASTIC_ERROR_FILE" in os.environ else ""
+    line = f"speedrun: {where}{kind}" + (f": {message}" if message else "") + suffix
+    print(line, file=sys.stderr, flush=True)
+    if "TORCHELASTIC_ERROR_FILE" in os.environ and code != EXIT_INTERRUPTED:
+        from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+        get_error_handler().record_exception(RuntimeError(line))
+    return code
 
 
 if __name__ == "__main__":

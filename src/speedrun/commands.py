@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -12,7 +11,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from speedrun.errors import SpeedrunError
+from speedrun.errors import SpeedrunError, TrainingFailed
 from speedrun.recipe import Recipe, RecipeError, Target, load_recipe
 
 EXIT_TRAINING_FAILED = 3
@@ -35,6 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, default=None, metavar="DIR", help="run directory (default: runs/<recipe>-<date>-<time>)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto", help="auto: bf16 autocast on CUDA, fp32 on CPU")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--deterministic", action="store_true", help="deterministic kernels: the same numbers run after run")
     p.add_argument("--workers", type=int, default=None, metavar="N", help="decode processes per device for image folders")
@@ -45,6 +45,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, metavar="MB", help="DDP gradient bucket size (default 25)")
     p.add_argument("--bf16-grads", action="store_true", help="all-reduce gradients in bf16 (CUDA)")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser(
+        "tune-host",
+        help="show (or --apply) the host settings the record used for multi-machine training",
+        description="TCP socket buffers of 16 MiB and a higher open-file limit, as the 2018 record set them. "
+        "Without --apply nothing changes.",
+    )
+    p.add_argument("--apply", action="store_true", help="write the sysctls that are below their wanted value (root)")
+    p.set_defaults(func=cmd_tune_host)
 
     p = sub.add_parser("recipes", help="list the built-in recipes, or print one as a table")
     p.add_argument("name", nargs="?", help="a built-in recipe name or a recipe .py file")
@@ -68,9 +77,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.checkpoint_every < 0:
         raise SpeedrunError(f"--checkpoint-every must be 0 or more, got {args.checkpoint_every}")
     if args.nproc_per_node:
+        if args.data is not None and not Path(args.data).exists():
+            raise SpeedrunError(f"data path {args.data!r} does not exist")
         return launch_local_processes(args, recipe)
 
-    from speedrun.engine import TrainConfig, TrainingFailed, train
+    from speedrun.engine import TrainConfig, train
 
     cfg = TrainConfig(
         recipe=recipe,
@@ -79,6 +90,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         device=args.device,
         resume=args.resume,
         compile=args.compile,
+        precision=args.precision,
         seed=args.seed,
         deterministic=args.deterministic,
         workers=args.workers,
@@ -89,12 +101,23 @@ def cmd_train(args: argparse.Namespace) -> int:
         bf16_grads=args.bf16_grads,
         process_start=process_start_time(),
     )
-    try:
-        results = train(cfg)
-    except TrainingFailed as e:
-        print(f"speedrun: training failed: {e}", file=sys.stderr)
-        return EXIT_TRAINING_FAILED
+    results = train(cfg)
     return 0 if results["status"] in ("finished", "target_reached") else EXIT_TRAINING_FAILED
+
+
+def cmd_tune_host(args: argparse.Namespace) -> int:
+    from speedrun import hosttune
+
+    changed = {s.name for s in hosttune.apply()} if args.apply else set()
+    table = Table("setting", "current", "wanted", "state", box=None)
+    for s in hosttune.plan():
+        state = "changed" if s.name in changed else ("ok" if s.ok else "below")
+        table.add_row(s.name, s.current, s.wanted, state)
+    Console().print(table)
+    if not args.apply:
+        print("nothing changed; run `speedrun tune-host --apply` as root to write the sysctls, and "
+              f"`ulimit -n {hosttune.OPEN_FILES}` in the shell that starts training")
+    return 0
 
 
 def process_start_time() -> float:
@@ -104,18 +127,56 @@ def process_start_time() -> float:
 
 
 def launch_local_processes(args: argparse.Namespace, recipe: Recipe) -> int:
-    """Re-run this command under torchrun with N processes on this machine."""
+    """Re-run this command as N processes on this machine through torchrun's launcher (the
+    elastic agent: it watches the processes and stops them all when one fails)."""
+    import uuid
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
     from speedrun.engine import default_run_dir
 
+    n = args.nproc_per_node
     forwarded = strip_option(args.argv, "--nproc-per-node")
     if args.out is None:  # fix the name here, so that every process writes to the same place
         forwarded += ["--out", str(default_run_dir(recipe.name))]
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc-per-node={args.nproc_per_node}", "-m", "speedrun", *forwarded,
-    ]
-    env = {**os.environ, "SPEEDRUN_PROCESS_START": str(process_start_time())}
-    return subprocess.run(cmd, env=env).returncode
+    os.environ["SPEEDRUN_PROCESS_START"] = str(process_start_time())
+    # Share the cores instead of every process starting one thread per core.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=n,
+        run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+        monitor_interval=0.5,
+    )
+    try:
+        elastic_launch(config, sys.executable)("-m", "speedrun", *forwarded)
+    except ChildFailedError as e:
+        rank, failure = root_cause(e.failures)
+        message = str(failure.message or "")
+        if not message or message.startswith("To enable traceback"):  # torchrun's placeholder
+            message = "it left no error message"
+        raise TrainingFailed(
+            f"rank {rank} (pid {failure.pid}) failed first with exit code {failure.exitcode}: {message}; "
+            "the other ranks were stopped"
+        ) from None
+    return 0
+
+
+def root_cause(failures: dict) -> tuple[int, object]:
+    """The failure that caused the others: a process that died on its own comes before one
+    stopped by torchrun (SIGTERM) or one that failed because a peer vanished."""
+    from speedrun.engine import PEER_DIED
+
+    def collateral(item) -> bool:
+        _, f = item
+        return f.signal_name() == "SIGTERM" or f.exitcode == 130 or PEER_DIED in str(f.message)
+
+    return min(failures.items(), key=lambda item: (collateral(item), item[1].timestamp))
 
 
 def strip_option(argv: list[str], name: str) -> list[str]:

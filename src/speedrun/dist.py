@@ -102,3 +102,16 @@ def broadcast_object(obj, ctx: DistContext):
 def shutdown(ctx: DistContext) -> None:
     if ctx.distributed and dist.is_initialized():
         dist.destroy_process_group()
+
+
+@torch.no_grad()
+def average_buffers(model: torch.nn.Module, ctx: DistContext) -> None:
+    """Average floating-point buffers (BatchNorm running statistics) over ranks. Each rank's
+    statistics come from its own batches; averaged, every rank evaluates the same model and the
+    checkpoint rank 0 writes is that model."""
+    if not ctx.distributed:
+        return
+    for buffer in model.buffers():
+        if buffer.is_floating_point():
+            dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
+            buffer.div_(ctx.world_size)

@@ -9,6 +9,8 @@ import math
 import os
 import platform
 import resource
+import signal
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -21,17 +23,17 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import speedrun
 from speedrun import checkpoint
-from speedrun.data import DataSource, TrainStream, build_source, normalize_on_device
-from speedrun.dist import DistContext, all_reduce_sum, broadcast_object, init_distributed, pick_device, shutdown
-from speedrun.errors import SpeedrunError
+from speedrun.data import build_source
+from speedrun.data.base import DataSource, TrainStream, normalize_on_device
+from speedrun.dist import DistContext, all_reduce_sum, average_buffers, broadcast_object, init_distributed, pick_device, shutdown
+from speedrun.errors import SpeedrunError, TrainingFailed
 from speedrun.model import build_model
 from speedrun.optim import build_optimizer, set_lr
 from speedrun.recipe import Recipe
 from speedrun.track import Tracker, read_jsonl
 
 
-class TrainingFailed(Exception):
-    """Training cannot go on (a non-finite loss); the CLI exits with status 3."""
+PEER_DIED = "another rank probably died"  # the launcher recognises collateral failures by this
 
 
 @dataclass
@@ -52,6 +54,7 @@ class TrainConfig:
     sync_bn: bool = False  # synchronise BatchNorm statistics across ranks
     bucket_cap_mb: float = 25.0  # DDP gradient bucket size
     bf16_grads: bool = False  # compress gradients to bf16 for the all-reduce (CUDA only)
+    precision: str = "auto"  # "auto" (bf16 autocast on CUDA, fp32 on CPU), "bf16" or "fp32"
     process_start: float = field(default_factory=time.time)  # wall clock when the process began
 
 
@@ -73,6 +76,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     """Run the recipe to its end or its target; return the results (also in results.json)."""
     recipe = cfg.recipe
     ctx = init_distributed(pick_device(cfg.device))
+    restore_sigterm = stop_on_sigterm()
     try:
         cfg.out = resolve_run_dir(cfg, ctx)
         configure_determinism(cfg, ctx)
@@ -88,7 +92,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         ckpt_path = cfg.out / "checkpoint.pt"
         if cfg.resume:
             state = restore(ckpt_path, model, optimizer, recipe)
-        tracker = Tracker(cfg.out, enabled=ctx.is_main)
+        tracker = Tracker(cfg.out, enabled=ctx.is_main, resume_step=state.step if cfg.resume else None)
         try:
             results = run_epochs(cfg, ctx, source, model, optimizer, state, tracker, channels_last)
         finally:
@@ -96,6 +100,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             source.close()
         return results
     finally:
+        restore_sigterm()
         shutdown(ctx)
 
 
@@ -114,7 +119,7 @@ def run_epochs(
     mean = torch.tensor(source.mean, device=ctx.device).view(-1, 1, 1)
     std = torch.tensor(source.std, device=ctx.device).view(-1, 1, 1)
     criterion = nn.CrossEntropyLoss(label_smoothing=recipe.optimizer.label_smoothing)
-    use_bf16 = ctx.device.type == "cuda"
+    use_bf16 = uses_bf16(cfg.precision, ctx.device)
     evals = read_jsonl(cfg.out / "metrics.jsonl") if cfg.resume else []
     tracker.print(
         f"speedrun {speedrun.__version__}: recipe {recipe.name}, model {recipe.model}, "
@@ -156,11 +161,7 @@ def run_epochs(
                 set_lr(optimizer, lr)
                 x = normalize_on_device(images, mean, std, ctx.device, channels_last)
                 y = labels.to(ctx.device, non_blocking=True)
-                with torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=use_bf16):
-                    loss = criterion(net(x), y)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
+                loss = train_step(net, optimizer, criterion, x, y, use_bf16)
                 state.step += 1
                 if state.step % cfg.log_every == 0 or i == steps - 1:
                     log_train_loss(loss, lr, epoch, state.step, ctx, tracker)
@@ -168,6 +169,7 @@ def run_epochs(
             if ctx.device.type == "cuda":
                 torch.cuda.synchronize()
             epoch_s = time.time() - epoch_start
+            average_buffers(model, ctx)
             tracker.log_epoch(
                 {
                     "epoch": epoch,
@@ -225,6 +227,9 @@ def run_epochs(
     except TrainingFailed:
         status = "failed"
         raise
+    except torch.distributed.DistError as e:
+        status = "failed"
+        raise TrainingFailed(f"a collective failed, {PEER_DIED}: {str(e).splitlines()[0]}") from None
     finally:
         if stream is not None:
             stream.close()
@@ -234,6 +239,19 @@ def run_epochs(
         tracker.write_results(results)
         tracker.plot(evals, asdict(recipe.target) if recipe.target else None)
     return results
+
+
+def stop_on_sigterm():
+    """Treat SIGTERM (torchrun stopping the survivors when a rank died, a spot instance being
+    reclaimed) like Ctrl-C, so results so far are written. Returns a function undoing this."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"stopped by signal {signal.Signals(signum).name}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    return lambda: signal.signal(signal.SIGTERM, previous)
 
 
 def default_run_dir(recipe_name: str) -> Path:
@@ -283,6 +301,23 @@ def wrap_model(model: nn.Module, cfg: TrainConfig, ctx: DistContext) -> nn.Modul
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         net = torch.compile(net, dynamic=False)
     return net
+
+
+def train_step(
+    net: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    criterion: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    use_bf16: bool,
+) -> torch.Tensor:
+    """One optimizer step on a normalised batch; returns the loss (not synchronised)."""
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=use_bf16):
+        loss = criterion(net(x), y)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return loss
 
 
 @torch.no_grad()
@@ -354,6 +389,13 @@ def configure_determinism(cfg: TrainConfig, ctx: DistContext) -> None:
         torch.backends.cudnn.allow_tf32 = True
 
 
+def uses_bf16(precision: str, device: torch.device) -> bool:
+    """bf16 autocast on CUDA by default; fp32 on CPU, where bf16 is several times slower."""
+    if precision not in ("auto", "bf16", "fp32"):
+        raise SpeedrunError(f"unknown precision {precision!r} (use auto, bf16 or fp32)")
+    return precision == "bf16" or (precision == "auto" and device.type == "cuda")
+
+
 def _is_conv_net(model: nn.Module) -> bool:
     # channels_last speeds up convolutions on both CUDA and oneDNN (CPU); measured 1.3x on the
     # demo ResNet with 2 CPU cores.
@@ -421,6 +463,7 @@ def build_results(cfg: TrainConfig, ctx: DistContext, state: RunState, evals: li
         "seed": cfg.seed,
         "deterministic": cfg.deterministic,
         "compile": cfg.compile,
+        "precision": "bf16" if uses_bf16(cfg.precision, ctx.device) else "fp32",
         "versions": {"speedrun": speedrun.__version__, "torch": torch.__version__, "python": platform.python_version()},
         "session_s": time.time() - session_start,
     }

@@ -7,3 +7,7 @@ and is reported with the path of a full traceback instead of the traceback itsel
 
 class SpeedrunError(Exception):
     """A user-facing error; its message is one line that says what is wrong and what to do."""
+
+
+class TrainingFailed(Exception):
+    """Training cannot go on (a non-finite loss, a peer process died); the CLI exits with status 3."""

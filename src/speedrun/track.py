@@ -25,7 +25,7 @@ class Tracker:
     """Logs to TensorBoard, JSONL files, the console and a progress bar. With `enabled=False`
     (ranks other than 0) every method does nothing."""
 
-    def __init__(self, run_dir: Path, enabled: bool = True, console: Console | None = None):
+    def __init__(self, run_dir: Path, enabled: bool = True, console: Console | None = None, resume_step: int | None = None):
         self.run_dir = Path(run_dir)
         self.enabled = enabled
         self.console = console or Console(highlight=False)
@@ -36,7 +36,12 @@ class Tracker:
             from torch.utils.tensorboard import SummaryWriter
 
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            self._tb = SummaryWriter(str(self.run_dir / "tb"))
+            if resume_step is not None:
+                # Records written after the checkpoint belong to work that will be redone.
+                _truncate_jsonl(self.run_dir / "steps.jsonl", lambda r: r["step"] <= resume_step)
+                _truncate_jsonl(self.run_dir / "metrics.jsonl", lambda r: r["step"] <= resume_step)
+            # purge_step hides TensorBoard events past the checkpoint for the same reason.
+            self._tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=resume_step + 1 if resume_step is not None else None)
 
     # -- console ---------------------------------------------------------------------------
     def print(self, message: str) -> None:
@@ -141,6 +146,14 @@ def plot_accuracy(evals: list[dict[str, Any]], target: dict | None, path: Path) 
 def _append_jsonl(path: Path, record: dict[str, Any]) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
+
+
+def _truncate_jsonl(path: Path, keep) -> None:
+    if path.exists():
+        kept = [r for r in read_jsonl(path) if keep(r)]
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(tmp, path)
 
 
 def write_json_atomic(path: Path, data: Any) -> None:

@@ -1,16 +1,19 @@
 """Data sources: Fashion-MNIST (the demo), image folders (ImageNet layout), synthetic tensors.
 
 `build_source` picks the one a recipe names. Each source follows the contract in `data.base`.
+Nothing here imports torch at package import, so the command line starts quickly.
 """
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
-from speedrun.data.base import Batch, DataSource, Shard, TrainStream, normalize_on_device
 from speedrun.errors import SpeedrunError
-from speedrun.recipe import Recipe
 
-__all__ = ["Batch", "DataSource", "Shard", "TrainStream", "build_source", "normalize_on_device"]
+if TYPE_CHECKING:
+    import torch
+
+    from speedrun.data.base import DataSource
+    from speedrun.recipe import Recipe
 
 
 def build_source(recipe: Recipe, path: str | None, device: torch.device, workers: int | None = None) -> DataSource:

@@ -18,15 +18,16 @@ fashion_mnist = Recipe(
 
 tiny = Recipe(
     name="tiny",
-    description="Seconds-long run for tests: 2,000 Fashion-MNIST images, a tiny ResNet, 3 epochs.",
+    description="Seconds-long run for tests: 6,000 Fashion-MNIST images, a tiny ResNet, 4 epochs.",
     model="resnet-fmnist-tiny",
     dataset="fashion-mnist",
     optimizer=OptimizerSettings(name="sgd", momentum=0.9, nesterov=True, weight_decay=5e-4),
-    train_examples=2000,
+    train_examples=6000,
     val_examples=1000,
+    val_batch_size=500,
     phases=(
-        Phase(0, 1, size=20, batch_size=64, lr=(0.05, 0.2), min_scale=0.77),
-        Phase(1, 2, size=24, batch_size=128, lr=0.2, min_scale=0.77),
-        Phase(2, 3, size=28, batch_size=128, lr=(0.2, 0.01), min_scale=0.77),
+        Phase(0, 1, size=20, batch_size=64, lr=(0.05, 0.2), min_scale=1.0),
+        Phase(1, 2, size=20, batch_size=128, lr=0.2, min_scale=1.0),  # batch-size change only
+        Phase(2, 4, size=28, batch_size=128, lr=(0.2, 0.0), min_scale=1.0),
     ),
 )

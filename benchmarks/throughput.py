@@ -1,0 +1,89 @@
+"""Training throughput (images/s) of one model on synthetic data: speedrun's step settings side by
+side with a plain baseline, and their ratio.
+
+    baseline   fp32, NCHW memory layout, eager                  (torchvision reference defaults)
+    speedrun   bf16 autocast on CUDA (fp32 on CPU), channels_last, eager     (speedrun train)
+    +compile   the same with torch.compile                                   (speedrun train --compile)
+
+Both use the same model, optimizer (SGD momentum, no weight decay on norm/bias) and train step
+(`speedrun.engine.train_step`); data are random tensors already on the device, so this measures
+the model's step alone. On a GPU:
+
+    PYTHONPATH=src python benchmarks/throughput.py --model resnet50 --sizes 128 224 288 --batch 256 192 128
+
+On the CPU (a quick check that it runs): the defaults below, a small model at small sizes.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch import nn
+
+from speedrun.engine import train_step, uses_bf16
+from speedrun.model import build_model
+from speedrun.optim import build_optimizer
+from speedrun.recipe import OptimizerSettings
+
+VARIANTS = {
+    "baseline": dict(precision="fp32", channels_last=False, compile=False),
+    "speedrun": dict(precision="auto", channels_last=True, compile=False),
+    "+compile": dict(precision="auto", channels_last=True, compile=True),
+}
+
+
+def images_per_second(model_name: str, size: int, batch: int, device: torch.device, steps: int, warmup: int,
+                      precision: str, channels_last: bool, compile: bool) -> float:
+    """Steady-state training images/s: `warmup` untimed steps (cuDNN autotuning, compilation),
+    then `steps` timed ones."""
+    torch.manual_seed(0)
+    bf16 = uses_bf16(precision, device)
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    model = build_model(model_name, num_classes=1000, in_chans=3).to(device, memory_format=layout)
+    optimizer = build_optimizer(model, OptimizerSettings(weight_decay=1e-4), lr=0.01)
+    net = torch.compile(model, dynamic=False) if compile else model
+    x = torch.randn(batch, 3, size, size, device=device).contiguous(memory_format=layout)
+    y = torch.randint(0, 1000, (batch,), device=device)
+    criterion = nn.CrossEntropyLoss()
+    for _ in range(warmup):
+        train_step(net, optimizer, criterion, x, y, bf16)
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        train_step(net, optimizer, criterion, x, y, bf16)
+    _sync(device)
+    return steps * batch / (time.perf_counter() - start)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main() -> None:
+    cuda = torch.cuda.is_available()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="resnet50" if cuda else "resnet18")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[128, 224, 288] if cuda else [64, 96])
+    parser.add_argument("--batch", type=int, nargs="+", default=[256, 192, 128] if cuda else [16, 16])
+    parser.add_argument("--steps", type=int, default=30 if cuda else 3)
+    parser.add_argument("--warmup", type=int, default=10 if cuda else 1)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS) if cuda else ["baseline", "speedrun"], choices=list(VARIANTS))
+    args = parser.parse_args()
+    if len(args.batch) != len(args.sizes):
+        parser.error("give one --batch per --sizes entry")
+    device = torch.device("cuda" if cuda else "cpu")
+    if cuda:
+        torch.backends.cudnn.benchmark = True
+    name = torch.cuda.get_device_name() if cuda else "cpu"
+    print(f"{args.model} training images/s on {name}, torch {torch.__version__}, synthetic data")
+    print(f"{'size':>6} {'batch':>6} " + " ".join(f"{v:>10}" for v in args.variants) + "   ratio vs baseline")
+    for size, batch in zip(args.sizes, args.batch):
+        rates = {v: images_per_second(args.model, size, batch, device, args.steps, args.warmup, **VARIANTS[v]) for v in args.variants}
+        ratios = ", ".join(f"{v} {rates[v] / rates['baseline']:.2f}x" for v in args.variants if v != "baseline" and "baseline" in rates)
+        print(f"{size:>6} {batch:>6} " + " ".join(f"{rates[v]:>10.0f}" for v in args.variants) + f"   {ratios}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

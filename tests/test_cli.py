@@ -1,0 +1,92 @@
+"""The command line: bad input gives one clear line on stderr and a non-zero exit, never a traceback."""
+import subprocess
+import sys
+
+import pytest
+
+
+def speedrun(*args, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "speedrun", *args], capture_output=True, text=True, cwd=cwd)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, *expected: str) -> None:
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    for text in expected:
+        assert text in lines[0], lines[0]
+
+
+def test_unknown_recipe_name(tmp_path):
+    assert_one_line_error(speedrun("train", "--recipe", "imagenet-3x8", "--out", str(tmp_path / "r")), "unknown recipe 'imagenet-3x8'")
+
+
+def test_missing_data_path(tmp_path):
+    proc = speedrun("train", "--recipe", "tiny", "--data", str(tmp_path / "nowhere"), "--out", str(tmp_path / "r"))
+    assert_one_line_error(proc, "does not exist", "dataset-fashion-mnist")
+    assert not (tmp_path / "r" / "results.json").exists()
+
+
+def test_data_path_without_the_files(tmp_path):
+    (tmp_path / "empty").mkdir()
+    proc = speedrun("train", "--recipe", "tiny", "--data", str(tmp_path / "empty"), "--out", str(tmp_path / "r"))
+    assert_one_line_error(proc, "does not hold the four Fashion-MNIST IDX files")
+
+
+@pytest.mark.parametrize(
+    "phase, expected",
+    [
+        ("Phase(0, 2, size=28, batch_size=0, lr=0.1)", "batch size must be a positive integer"),
+        ("Phase(0, 2, size=-28, batch_size=8, lr=0.1)", "image size must be a positive"),
+        ("Phase(0, 2, size=28, batch_size=8, lr=-1.0)", "LR must be positive"),
+    ],
+)
+def test_bad_recipe_value(tmp_path, phase, expected):
+    path = tmp_path / "bad.py"
+    path.write_text(
+        "from speedrun import Phase, Recipe\n"
+        f"recipe = Recipe(name='bad', dataset='fashion-mnist', model='resnet-fmnist-tiny', phases=({phase},))\n"
+    )
+    assert_one_line_error(speedrun("train", "--recipe", str(path), "--out", str(tmp_path / "r")), "phase 0", expected)
+
+
+def test_two_recipe_problems_are_both_reported(tmp_path):
+    path = tmp_path / "bad.py"
+    path.write_text(
+        "from speedrun import Phase, Recipe\n"
+        "recipe = Recipe(name='bad', phases=(Phase(0, 2, 28, 8, 0.1), Phase(3, 4, 28, 0, 0.1)))\n"
+    )
+    proc = speedrun("train", "--recipe", str(path))
+    assert proc.returncode == 2
+    assert "gap after the previous phase" in proc.stderr and "batch size" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--target", "top7=0.5"], "expected METRIC=VALUE"),
+        (["--epochs", "0"], "--epochs must be positive"),
+        (["--log-every", "0"], "--log-every must be at least 1"),
+        (["--resume"], "no checkpoint at"),
+    ],
+)
+def test_bad_options(tmp_path, args, expected):
+    assert_one_line_error(speedrun("train", "--recipe", "tiny", "--out", str(tmp_path / "r"), *args), expected)
+
+
+def test_recipes_listing_and_table():
+    listing = speedrun("recipes")
+    assert listing.returncode == 0
+    for name in ("fashion-mnist", "tiny", "imagenet-1x8", "imagenet-16x8"):
+        assert name in listing.stdout
+    table = speedrun("recipes", "imagenet-16x8")
+    assert table.returncode == 0
+    assert "1.88 -> 3.76" in table.stdout and "160 px copy" in table.stdout
+    assert_one_line_error(speedrun("recipes", "nope"), "unknown recipe 'nope'")
+
+
+def test_every_command_has_help():
+    for command in ([], ["train"], ["recipes"]):
+        proc = speedrun(*command, "--help")
+        assert proc.returncode == 0 and "usage:" in proc.stdout

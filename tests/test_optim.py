@@ -1,0 +1,67 @@
+"""Parameter groups and optimizers."""
+import pytest
+import torch
+from torch import nn
+
+from speedrun.optim import build_optimizer, param_groups
+from speedrun.recipe import OptimizerSettings
+
+
+class Mixed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, bias=True)
+        self.bn = nn.BatchNorm2d(4)
+        self.gn = nn.GroupNorm(2, 4)
+        self.ln = nn.LayerNorm(4)
+        self.fc = nn.Linear(4, 2)
+
+
+def ids(params):
+    return {id(p) for p in params}
+
+
+def decayed_and_not(model, mode):
+    groups = param_groups(model, 1e-4, mode)
+    decayed = [g for g in groups if g["weight_decay"] > 0]
+    undecayed = [g for g in groups if g["weight_decay"] == 0]
+    return (ids(decayed[0]["params"]) if decayed else set(), ids(undecayed[0]["params"]) if undecayed else set())
+
+
+def test_norm_bias_mode_decays_only_conv_and_linear_weights():
+    m = Mixed()
+    decayed, undecayed = decayed_and_not(m, "norm_bias")
+    assert decayed == ids([m.conv.weight, m.fc.weight])
+    assert undecayed == ids([m.conv.bias, m.bn.weight, m.bn.bias, m.gn.weight, m.gn.bias, m.ln.weight, m.ln.bias, m.fc.bias])
+
+
+def test_original_mode_exempts_batchnorm_only():
+    m = Mixed()
+    decayed, undecayed = decayed_and_not(m, "bn")
+    assert undecayed == ids([m.bn.weight, m.bn.bias])
+    assert ids([m.conv.bias, m.fc.bias, m.gn.weight, m.ln.bias]) <= decayed
+
+
+def test_none_mode_and_every_parameter_in_exactly_one_group():
+    m = Mixed()
+    decayed, undecayed = decayed_and_not(m, "none")
+    assert undecayed == set() and decayed == ids(m.parameters())
+    for mode in ("norm_bias", "bn"):
+        d, u = decayed_and_not(m, mode)
+        assert d.isdisjoint(u) and d | u == ids(m.parameters())
+
+
+@pytest.mark.parametrize("name", ["sgd", "lars"])
+def test_optimizers_step_and_leave_undecayed_params_alone_without_grad(name):
+    torch.manual_seed(0)
+    m = Mixed()
+    opt = build_optimizer(m, OptimizerSettings(name=name, weight_decay=0.1, nesterov=True), lr=0.1)
+    bn_before = m.bn.weight.detach().clone()
+    conv_before = m.conv.weight.detach().clone()
+    # Zero gradients everywhere: only weight decay can move a parameter.
+    for p in m.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    assert torch.equal(m.bn.weight, bn_before)
+    assert not torch.equal(m.conv.weight, conv_before)
+    assert type(opt).__name__ == {"sgd": "SGD", "lars": "Lars"}[name]

@@ -1,0 +1,140 @@
+"""End to end through the CLI: a real run of the tiny recipe on real Fashion-MNIST images, what
+it leaves in its run directory, resuming after an interruption, and how the loop uses data."""
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from speedrun import engine
+from speedrun.recipes import BUILTIN
+from speedrun.track import read_jsonl
+
+TINY = BUILTIN["tiny"]
+
+
+def speedrun(*args, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "speedrun", *args], capture_output=True, text=True, **kw)
+
+
+def start(*args) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "speedrun", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(predicate, timeout_s: float, what: str):
+    """Poll `predicate` until it holds (a bounded wait for a file, not a sleep as synchronisation)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> Path:
+    """One deterministic run of the tiny recipe, logging every step."""
+    out = tmp_path_factory.mktemp("tiny") / "run"
+    proc = speedrun("train", "--recipe", "tiny", "--device", "cpu", "--deterministic", "--log-every", "1", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+def test_tiny_run_learns_far_above_chance(tiny_run):
+    results = json.loads((tiny_run / "results.json").read_text())
+    assert results["status"] == "finished"
+    assert results["epochs_run"] == TINY.epochs
+    assert results["final"]["count"] == TINY.val_examples
+    assert results["best"]["top1"] > 0.5  # 10 classes: chance is 0.1
+    assert results["best"]["top5"] > 0.9
+    assert results["versions"]["torch"] == torch.__version__
+    assert results["device"].startswith("cpu")
+
+
+def test_lr_of_every_logged_step_equals_the_recipe(tiny_run):
+    steps = read_jsonl(tiny_run / "steps.jsonl")
+    n = TINY.train_examples
+    expected = []
+    for epoch in range(TINY.epochs):
+        per_epoch = n // TINY.phase_at(epoch).batch_size
+        expected += [(epoch, TINY.lr_at(epoch, i, per_epoch)) for i in range(per_epoch)]
+    assert [r["step"] for r in steps] == list(range(1, len(expected) + 1))
+    assert [(r["epoch"], r["lr"]) for r in steps] == expected
+    assert all(r["loss"] > 0 for r in steps)
+
+
+def test_run_directory_holds_events_metrics_plot_and_checkpoint(tiny_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    evals = read_jsonl(tiny_run / "metrics.jsonl")
+    assert [e["epoch"] for e in evals] == list(range(TINY.epochs))
+    assert [e["size"] for e in evals] == [20, 20, 28, 28]
+    assert all(0 <= e["top1"] <= e["top5"] <= 1 for e in evals)
+    assert all(a["wall_s"] < b["wall_s"] for a, b in zip(evals, evals[1:]))
+
+    events = EventAccumulator(str(tiny_run / "tb"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    expected = {f"train/{k}" for k in ("loss", "lr", "images_per_s", "size", "batch_size", "epoch_s", "memory_mb")}
+    assert expected | {"val/loss", "val/top1", "val/top5"} <= tags
+    assert [round(e.value, 4) for e in events.Scalars("val/top1")] == [round(e["top1"], 4) for e in evals]
+    assert [e.value for e in events.Scalars("train/batch_size")] == [64, 128, 128, 128]
+
+    assert (tiny_run / "accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    saved = torch.load(tiny_run / "checkpoint.pt", weights_only=False)
+    assert {"model", "optimizer", "state", "recipe", "rng"} <= set(saved)
+    assert saved["state"]["epoch"] == TINY.epochs
+
+
+def test_resume_after_interruption_ends_exactly_like_an_uninterrupted_run(tiny_run, tmp_path):
+    out = tmp_path / "run"
+    args = ["train", "--recipe", "tiny", "--device", "cpu", "--deterministic", "--log-every", "1", "--out", str(out)]
+    proc = start(*args)
+    wait_for(lambda: (out / "checkpoint.pt").exists() or proc.poll() is not None, 300, "the first checkpoint")
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    if proc.returncode != 0:  # interrupted mid-run: the results so far are kept
+        assert proc.returncode == 130, stderr
+        assert json.loads((out / "results.json").read_text())["status"] == "interrupted"
+        assert "Traceback" not in stderr
+    again = speedrun(*args)
+    assert again.returncode == 2 and "already holds a run" in again.stderr  # no silent overwrite
+    resumed = speedrun(*args, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+
+    a = torch.load(tiny_run / "checkpoint.pt", weights_only=False)
+    b = torch.load(out / "checkpoint.pt", weights_only=False)
+    assert a["model"].keys() == b["model"].keys()
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key  # bitwise
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.endswith("_s")} for r in rows]  # noqa: E731
+    assert strip(read_jsonl(out / "metrics.jsonl")) == strip(read_jsonl(tiny_run / "metrics.jsonl"))
+    assert read_jsonl(out / "steps.jsonl") == read_jsonl(tiny_run / "steps.jsonl")
+
+
+def test_batch_size_only_change_keeps_the_train_stream(tmp_path, monkeypatch):
+    """Phase 0 -> 1 of the tiny recipe changes only the batch size: the loop must reuse the same
+    stream (no new dataset, no new workers); 1 -> 2 changes the image size and needs a new one."""
+    made = []
+    real_build_source = engine.build_source
+
+    def recording_build_source(*args, **kw):
+        source = real_build_source(*args, **kw)
+        real_train_stream = source.train_stream
+
+        def train_stream(phase, shard, seed):
+            stream = real_train_stream(phase, shard, seed)
+            made.append((phase.size, stream))
+            return stream
+
+        source.train_stream = train_stream
+        return source
+
+    monkeypatch.setattr(engine, "build_source", recording_build_source)
+    recipe = TINY.with_epochs(3)
+    engine.train(engine.TrainConfig(recipe=recipe, out=tmp_path / "run", device="cpu", checkpoint_every=0))
+    assert [size for size, _ in made] == [20, 28]
+    assert made[0][1].batch_size == 128  # the same object, re-batched for phase 1
