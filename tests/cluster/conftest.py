@@ -95,3 +95,4 @@ def ssh_job(netns, shared_dir, job_name) -> Callable:
     yield make
     for job in jobs:
         job.kill()
+        job.close()  # the master connections

@@ -164,6 +164,17 @@ def test_relaunch_reconnects_to_a_running_job_and_restart_replaces_it(local_job,
     assert Path(job.run_dir, "task-0").is_dir()  # the old run's logs stay
 
 
+def test_sessions_are_replaced_without_a_hitch(local_job):
+    # A new run replaces the sessions of a finished one. Were they killed before the new ones were
+    # made, the tmux server could be left empty and exit, and a client reaching it meanwhile fails
+    # ("server exited unexpectedly"). Likewise right after a job was killed.
+    for i in range(12):
+        job = local_job(num_tasks=2)
+        assert job.run("echo up") and job.run_dir.endswith(f"run.{i + 1:02d}")
+    job.kill()
+    assert local_job(num_tasks=2)[1].run("echo up").output == "up\n"
+
+
 def test_a_finished_job_gets_a_new_run_directory(local_job):
     job = local_job()
     job[0].run("echo one", name="train")

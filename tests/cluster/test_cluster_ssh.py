@@ -136,6 +136,24 @@ def test_a_changed_host_key_is_refused_even_when_accepting_new_ones(netns, share
                  known_hosts=wrong, accept_new_host_keys=True, run_root=str(shared_dir))
 
 
+def test_a_dead_master_connection_is_replaced(ssh_job, netns):
+    job = ssh_job(num_tasks=1)
+    host = job[0].host
+
+    def master_pid() -> int:
+        r = subprocess.run(["ssh", *host.ssh_options(), "-O", "check", host.spec.destination],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        return int(r.stderr.split("pid=")[1].split(")")[0])
+
+    old = master_pid()
+    subprocess.run(["kill", "-KILL", str(old)], check=True)
+    assert host.control_path.exists()  # the dead master's socket is left behind
+    again = ssh_job(num_tasks=1)  # a new process would start like this: it must notice
+    assert again[0].run("echo ok").output == "ok\n"
+    assert master_pid() != old
+
+
 def test_ssh_command_lines_check_host_keys_strictly(netns, tmp_path):
     host = SSHHost(netns.specs[0], SSHOptions(known_hosts=tmp_path / "kh"))
     opts = " ".join(host.ssh_options())

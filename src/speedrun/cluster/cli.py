@@ -14,6 +14,7 @@ directory); run again while the job runs, it reconnects instead of starting anyt
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
 from pathlib import Path
@@ -89,8 +90,25 @@ def add_launch_options(p: argparse.ArgumentParser) -> None:
                    help="trust and pin the key of a host seen for the first time (host keys are checked strictly)")
 
 
+def show_progress() -> None:
+    """Print the cluster's progress messages (reconnected, setup, pinned keys...) on stderr."""
+    logger = logging.getLogger("speedrun.cluster")
+    if not any(isinstance(h, StderrHandler) for h in logger.handlers):
+        logger.addHandler(StderrHandler())
+        logger.setLevel(logging.INFO)
+
+
+class StderrHandler(logging.Handler):
+    """Writes `speedrun: message` lines to whatever sys.stderr is at the time."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(f"speedrun: {record.getMessage()}", file=sys.stderr)
+
+
 def cmd_launch(args: argparse.Namespace) -> int:
     from speedrun.cluster.job import make_job
+
+    show_progress()
 
     # Options may come before the name (argparse took them) or after it, up to `--` (parsed here:
     # argparse cannot tell them from the torchrun arguments on its own).

@@ -394,6 +394,7 @@ def make_job(name: str, num_tasks: int = 1, *, provider: str | Provider = "local
         first_on_host = list({t.host.key: t for t in reversed(tasks)}.values())  # the first task on each host
         if sync is not None:
             src = Path(sync).resolve()
+            log.info("copying %s to %d host(s)", src, len(first_on_host))
             parallel(lambda t: t.host.put(src, t.cwd, exclude=sync_exclude, mirror=True), first_on_host)
         if setup is not None:
             digest = hashlib.sha256(setup.encode()).hexdigest()
@@ -411,6 +412,7 @@ def run_setup(task: Task, setup: str, digest: str, recorded: str, mark: str) -> 
     if recorded == digest:
         log.info("setup on %s is unchanged; skipped", task.host.name)
         return
+    log.info("running setup on %s (log in %s)", task.host.name, task.logdir)
     result = task.run(setup, name="setup", check=False)
     if not result.ok:
         raise CommandFailed(f"setup on {task.host.name}", result.status, result.log, result.output)

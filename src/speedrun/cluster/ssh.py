@@ -16,6 +16,7 @@ everything else users already set up keep working. Around it speedrun adds:
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 import shlex
@@ -30,6 +31,8 @@ from typing import Sequence
 
 from speedrun.cluster.hosts import Host, ShellResult
 from speedrun.errors import SpeedrunError
+
+log = logging.getLogger("speedrun.cluster")
 
 CONTROL_PERSIST_S = 600  # how long an idle master connection stays up, seconds
 
@@ -105,6 +108,7 @@ class SSHHost(Host):
         self.control_path = control_dir() / hashlib.sha256(identity.encode()).hexdigest()[:24]
         self._lock = threading.Lock()  # one master connection per host, even when tasks run in threads
         self._rsync: bool | None = None
+        self._checked = False  # whether this process has seen the master connection answer
 
     # --- command lines ---
     def ssh_options(self, *, multiplex: bool = True) -> list[str]:
@@ -143,7 +147,17 @@ class SSHHost(Host):
         """Open the master connection unless one is up; raise SpeedrunError when the host can't be reached."""
         with self._lock:
             if self.control_path.exists():
-                return
+                if self._checked:
+                    return
+                # Once per process: a socket left by a master that was killed would make every
+                # command fall back to a slow new connection, silently.
+                check = subprocess.run(["ssh", *self.ssh_options(), "-O", "check", self.spec.destination],
+                                       stdin=subprocess.DEVNULL, capture_output=True, timeout=30)
+                if check.returncode == 0:
+                    self._checked = True
+                    return
+                self.control_path.unlink(missing_ok=True)
+            known_before = self._known_hosts_size()
             with tempfile.TemporaryFile() as err:  # a file, not a pipe: the master keeps it open
                 argv = ["ssh", *self.ssh_options(), "-o", "ControlMaster=yes",
                         "-o", f"ControlPersist={CONTROL_PERSIST_S}", "-f", "-N", self.spec.destination]
@@ -157,6 +171,15 @@ class SSHHost(Host):
                 stderr = err.read().decode("utf-8", errors="replace")
             if r.returncode != 0:
                 raise self.connection_error(stderr)
+            self._checked = True
+            if self._known_hosts_size() != known_before:
+                log.info("first contact with %s: its host key is now pinned in %s", self.name, self.options.known_hosts)
+
+    def _known_hosts_size(self) -> int:
+        try:
+            return self.options.known_hosts.stat().st_size
+        except FileNotFoundError:
+            return 0
 
     def connection_error(self, stderr: str) -> SpeedrunError:
         """A one-line SpeedrunError for an ssh failure, from ssh's stderr."""

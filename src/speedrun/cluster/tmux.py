@@ -128,16 +128,36 @@ echo "run_dir=$d"
 
 def new_session(socket: str, session: str, job: str, run_dir: str, task_dir: str, cwd: str, replace: bool) -> str:
     """Make the task's directories and its tmux session (first window: an idle shell in cwd), recording
-    the run directory on the session; with replace, kill a session of that name first."""
-    kill = f'tm kill-session -t "=$S" 2>/dev/null' if replace else ""
+    the run directory on the session; with replace, a session of that name is replaced.
+
+    The new session is made before the old one is killed (under a temporary name, then renamed):
+    a tmux server exits when its last session goes, and a client that talks to it at that moment
+    fails. For the same reason making a session is retried a few times."""
+    make = f"""local try
+for try in 1 2 3 4; do
+    new_session "$1" 2>/dev/null && return 0
+    sleep 0.1
+done
+new_session "$1"  # the last try shows its error"""
+    replace_existing = f"""    T="$S-new-$$"
+    make "$T" || exit 3
+    tm kill-session -t "=$S" 2>/dev/null
+    tm rename-session -t "=$T" "$S" || exit 3""" if replace else "    :"
     return script(socket, f"""
 S={q(session)}
-{kill}
+new_session() {{
+    tm new-session -d -s "$1" -n shell -c {q(cwd)} \\; \\
+        set-option -t "=$1:" @speedrun_run_dir {q(run_dir)} \\; \\
+        set-option -t "=$1:" @speedrun_job {q(job)}
+}}
+make() {{
+{make}
+}}
 mkdir -p {q(task_dir)}/cmds {q(cwd)} || exit 3
-if ! tm has-session -t "=$S" 2>/dev/null; then
-    tm new-session -d -s "$S" -n shell -c {q(cwd)} \\; \\
-       set-option -t "=$S:" @speedrun_run_dir {q(run_dir)} \\; \\
-       set-option -t "=$S:" @speedrun_job {q(job)} || exit 3
+if tm has-session -t "=$S" 2>/dev/null; then
+{replace_existing}
+else
+    make "$S" || exit 3
 fi
 """)
 
