@@ -63,9 +63,10 @@ group_alive() {  # is any process of process group $1 running?
 """
 
 
-def script(socket: str, body: str) -> str:
-    """Wrap a script body: `tm` runs our tmux server's client; the body is read in full before it runs
-    (a function), and no command in it can eat the rest of the script from standard input."""
+def script(body: str, socket: str = "speedrun") -> str:
+    """Wrap a script body: `tm` runs the client of our tmux server (`tmux -L socket`); the body is
+    read in full before it runs (a function), and no command in it can eat the rest of the script
+    from standard input."""
     return f"tm() {{ tmux -L {q(socket)} \"$@\"; }}\n{HELPERS}main() {{\n{body}\n}}\nmain </dev/null\n"
 
 
@@ -87,7 +88,7 @@ def probe(socket: str, session: str, task_index: int, setup_mark: str, local: bo
         'set -- ${SSH_CONNECTION:-}\n'
         'if [ $# -ge 3 ]; then echo "ip=$3"; else set -- $(hostname -I 2>/dev/null); echo "ip=${1:-127.0.0.1}"; fi'
     )
-    return script(socket, f"""
+    return script(socket=socket, body=f"""
 echo "home=$HOME"
 {address}
 if command -v tmux >/dev/null; then echo tmux=1; else echo tmux=0; return; fi
@@ -112,7 +113,7 @@ echo "last_seq=$last"
 
 def allocate_run_dir(run_root: str, job: str, run_name: str) -> str:
     """Make and print the next free `<run_root>/<job>/<run_name>.<NN>` (mkdir is the atomic claim)."""
-    return script("speedrun", f"""
+    return script(f"""
 base={q(run_root)}/{q(job)}
 mkdir -p "$base" || exit 3
 n=1
@@ -133,17 +134,17 @@ def new_session(socket: str, session: str, job: str, run_dir: str, task_dir: str
     The new session is made before the old one is killed (under a temporary name, then renamed):
     a tmux server exits when its last session goes, and a client that talks to it at that moment
     fails. For the same reason making a session is retried a few times."""
-    make = f"""local try
+    make = """local try
 for try in 1 2 3 4; do
     new_session "$1" 2>/dev/null && return 0
     sleep 0.1
 done
 new_session "$1"  # the last try shows its error"""
-    replace_existing = f"""    T="$S-new-$$"
+    replace_existing = """    T="$S-new-$$"
     make "$T" || exit 3
     tm kill-session -t "=$S" 2>/dev/null
     tm rename-session -t "=$T" "$S" || exit 3""" if replace else "    :"
-    return script(socket, f"""
+    return script(socket=socket, body=f"""
 S={q(session)}
 new_session() {{
     tm new-session -d -s "$1" -n shell -c {q(cwd)} \\; \\
@@ -164,7 +165,7 @@ fi
 
 def kill_session(socket: str, session: str) -> str:
     """Kill the task's session (its commands get SIGHUP); print killed=1 if there was one."""
-    return script(socket, f'tm kill-session -t ={q(session)} 2>/dev/null && echo killed=1; return 0')
+    return script(f'tm kill-session -t ={q(session)} 2>/dev/null && echo killed=1; return 0', socket)
 
 
 def wrapper(*, cwd: str, env: Mapping[str, str], signal_channel: str | None, keep_window: bool) -> tuple[str, str]:
@@ -218,7 +219,7 @@ if {{ IFS= read -r -d '' -N 16384 out < "$d/log"; }} 2>/dev/null; [ "${{#out}}" 
 else
     cat "$d/log"
 fi""" if wait_channel else ""
-    return script(socket, f"""
+    return script(socket=socket, body=f"""
 S={q(session)}
 {busy}
 umask 077
@@ -255,39 +256,43 @@ fi"""
 def command_state(cmd_dir: str) -> str:
     """Print status= with the command's exit status, `killed`, `running`, `lost` (no status and no
     process: the host rebooted or the process was SIGKILLed) or `missing`."""
-    return script("speedrun", f"d={q(cmd_dir)}{STATE}")
+    return script(f"d={q(cmd_dir)}{STATE}")
 
 
 def wait_command(cmd_dir: str, poll_s: float = 0.2) -> str:
     """Block until the command has ended (checked every poll_s seconds), then print its state."""
-    return script("speedrun", f"""d={q(cmd_dir)}
+    return script(f"""d={q(cmd_dir)}
 while cmd_running "$d"; do sleep {poll_s}; done{STATE}""")
+
+
+def latest_body(task_dir: str, name: str) -> str:
+    pattern = "[0-9]" * SEQ_DIGITS
+    return f"""d=
+for f in {q(task_dir)}/cmds/{pattern}-{q(name)}; do [ -d "$f" ] && d=$f; done
+[ -n "$d" ] || return 0
+echo "dir=$d"{STATE}"""
 
 
 def latest_command(task_dir: str, name: str) -> str:
     """Print dir= of the newest command called `name` in the task (nothing if there is none), then its state."""
-    pattern = "[0-9]" * SEQ_DIGITS
-    return script("speedrun", f"""d=
-for f in {q(task_dir)}/cmds/{pattern}-{q(name)}; do [ -d "$f" ] && d=$f; done
-[ -n "$d" ] || return 0
-echo "dir=$d"{STATE}""")
+    return script(latest_body(task_dir, name))
 
 
 def task_status(socket: str, session: str, task_dir: str, name: str) -> str:
     """For `ls`/status: whether the session exists and since when, and the newest `name` command's state."""
-    return script(socket, f"""
+    return script(socket=socket, body=f"""
 echo "now=$(date +%s)"
 if tm has-session -t ={q(session)} 2>/dev/null; then
     echo session=1
     tm display-message -p -t ={q(session)}: 'created=#{{session_created}}'
 fi
-""") + latest_command(task_dir, name)
+{latest_body(task_dir, name)}""")
 
 
 def stop_command(cmd_dir: str, grace_s: float = 10.0) -> str:
     """SIGHUP the command's process group (as closing its window would) and return once all of it has
     ended; SIGKILL what is left after grace_s seconds."""
-    return script("speedrun", f"""d={q(cmd_dir)}
+    return script(f"""d={q(cmd_dir)}
 {{ read -r p < "$d/pid"; }} 2>/dev/null || return 0
 cmd_running "$d" || group_alive "$p" || return 0
 # tmux makes each pane's first process a process-group leader: signal the whole group.
@@ -298,7 +303,7 @@ kill -KILL -- "-$p" 2>/dev/null; return 0""")
 
 def follow_log(cmd_dir: str, poll_s: float = 0.2) -> str:
     """Print the command's log and keep printing what is added until the command ends."""
-    return script("speedrun", f"""d={q(cmd_dir)}
+    return script(f"""d={q(cmd_dir)}
 if cmd_running "$d"; then
     # tail stops when this watcher does, after printing what was left.
     ( while cmd_running "$d"; do sleep {poll_s}; done ) &
