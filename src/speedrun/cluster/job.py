@@ -93,6 +93,7 @@ class TaskStatus:
 
 
 def probe_task(host: Host, socket: str, session: str, index: int, setup_mark: str) -> TaskProbe:
+    """Look at task `index`'s host in one round trip (see tmux.probe); SpeedrunError if it can't serve."""
     r = host.shell(tmux.probe(socket, session, index, setup_mark, local=host.is_local))
     f = tmux.parse_fields(r.text)
     if r.returncode != 0 or "home" not in f:
@@ -122,11 +123,10 @@ class Job:
     """A job's tasks and run directory; see make_job. Methods act on all tasks in parallel."""
 
     def __init__(self, name: str, tasks: list[Task], run_dir: str, provider: Provider, *, python: str,
-                 reconnected: bool, home: str | os.PathLike | None):
+                 reconnected: bool):
         self.name, self.tasks, self.run_dir, self.provider = name, tasks, run_dir, provider
         self.python = python
         self.reconnected = reconnected  # True when make_job found this job running and joined it
-        self._home = home
 
     def __len__(self) -> int:
         return len(self.tasks)
@@ -378,10 +378,13 @@ def make_job(name: str, num_tasks: int = 1, *, provider: str | Provider = "local
             raise SpeedrunError(f"job {name} runs on tasks {running} but not on all {num_tasks} as asked; "
                                 f"kill it (speedrun kill {name}) or pass restart=True (--restart)")
         tasks = make_tasks(run_dirs.pop(), [p.last_seq for p in probes])
-        job = Job(name, tasks, tasks[0].run_dir, prov, python=python, reconnected=True, home=home)
+        job = Job(name, tasks, tasks[0].run_dir, prov, python=python, reconnected=True)
         log.info("job %s is running (%s); reconnected without changing it", name, job.run_dir)
     else:
         root = resolve(run_root, probes[0].home, hosts_[0].is_local)
+        if len({h.key for h in hosts_}) > 1 and not posixpath.isabs(run_root):
+            log.warning("run_root %r is relative, so each host has its own %s; give a path on storage "
+                        "all hosts see (NFS, EFS...) to keep the run in one place", run_root, root)
         r = hosts_[0].shell(tmux.allocate_run_dir(root, name, run_name))
         fields = tmux.parse_fields(r.text)
         if r.returncode != 0 or "run_dir" not in fields:
@@ -390,7 +393,7 @@ def make_job(name: str, num_tasks: int = 1, *, provider: str | Provider = "local
         tasks = make_tasks(fields["run_dir"], [0] * num_tasks)
         parallel(lambda t: t._shell(tmux.new_session(tmux_socket, t.session, name, t.run_dir, t.logdir, t.cwd,
                                                      replace=True)), tasks)
-        job = Job(name, tasks, fields["run_dir"], prov, python=python, reconnected=False, home=home)
+        job = Job(name, tasks, fields["run_dir"], prov, python=python, reconnected=False)
         first_on_host = list({t.host.key: t for t in reversed(tasks)}.values())  # the first task on each host
         if sync is not None:
             src = Path(sync).resolve()
@@ -441,4 +444,4 @@ def open_job(name: str, home: str | os.PathLike | None = None, *, probe: bool = 
                     ip=p.ip if p else "", tmux_socket=rec.tmux_socket, last_seq=p.last_seq if p else 0)
 
     tasks = parallel(task, range(rec.num_tasks))
-    return Job(name, tasks, rec.run_dir, prov, python=rec.python, reconnected=True, home=home)
+    return Job(name, tasks, rec.run_dir, prov, python=rec.python, reconnected=True)
