@@ -5,6 +5,9 @@
 """
 from __future__ import annotations
 
+import time
+from datetime import timedelta
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -52,7 +55,7 @@ def _metrics(root: str, rect: bool, shard: Shard) -> tuple[torch.Tensor, int]:
 
 
 def _rank_main(rank: int, world: int, init: str, root: str, rect: bool, out: str) -> None:
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=120))
     try:
         totals, batches = _metrics(root, rect, Shard(rank, world))
         dist.all_reduce(totals)
@@ -77,7 +80,15 @@ def test_sharded_validation_matches_one_process(tree, tmp_path, world, rect):
     assert batches == 4 and expected[3] == 21  # 7 classes x 3 images; 21 / 6 -> 4 batches
     out = str(tmp_path / "metrics.pt")
     init = f"file://{tmp_path / 'rendezvous'}"
-    mp.start_processes(_rank_main, args=(world, init, root, rect, out), nprocs=world, join=True, start_method="spawn")
+    # spawn, not fork: a child forked from this (threaded) pytest process can deadlock.
+    ranks = mp.start_processes(_rank_main, args=(world, init, root, rect, out), nprocs=world, join=False,
+                               start_method="spawn")
+    deadline = time.monotonic() + 300
+    while not ranks.join(timeout=2):  # raises if a rank failed
+        if time.monotonic() > deadline:  # a hang fails the test instead of stalling the suite
+            for p in ranks.processes:
+                p.kill()
+            pytest.fail(f"{world} ranks did not finish in 300 s")
     got = torch.load(out)
     # Counts are exact; the loss sum differs only by float64 summation order.
     assert got[1:].tolist() == expected[1:].tolist()
