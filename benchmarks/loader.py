@@ -42,7 +42,7 @@ def _timed(batches_iter, warmup: int, batches: int) -> tuple[float, int]:
     return images / (time.perf_counter() - start), images
 
 
-def _enough_epochs(stream_factory, needed: int):
+def _enough_epochs(stream_factory):
     """Yield batches across epochs until the caller stops (tiny trees need several epochs)."""
     epoch = 0
     while True:
@@ -64,7 +64,7 @@ def bench_speedrun(tree: Path, size: int, batch: int, workers: int, warmup: int,
         return iter(stream)
 
     try:
-        rate, _ = _timed(_enough_epochs(epoch, warmup + batches), warmup, batches)
+        rate, _ = _timed(_enough_epochs(epoch), warmup, batches)
     finally:
         stream.close()
     return rate
@@ -82,9 +82,8 @@ def bench_torchvision(tree: Path, size: int, batch: int, workers: int, warmup: i
     ])
     loader = DataLoader(datasets.ImageFolder(str(tree / "train"), tf), batch_size=batch, shuffle=True,
                         num_workers=workers, persistent_workers=workers > 0, drop_last=True)
-    rate, _ = _timed(_enough_epochs(lambda e: iter(loader), warmup + batches), warmup, batches)
-    del loader
-    return rate
+    rate, _ = _timed(_enough_epochs(lambda e: iter(loader)), warmup, batches)
+    return rate  # the workers end with `loader`, when this returns
 
 
 def bench_prepare(tree: Path, dst: Path, workers: int, sizes: list[int]) -> dict:
@@ -140,7 +139,7 @@ def bench_train(tree: Path, model_name: str, size: int, batch: int, workers: int
         return iter(stream)
 
     try:
-        fed = run(_enough_epochs(epoch, warmup + steps))
+        fed = run(_enough_epochs(epoch))
     finally:
         stream.close()
     x0, y0 = next(iter(epoch(0)))

@@ -19,6 +19,7 @@ replaced. This module has not been run in this project's CI (no GPU, no DALI the
 """
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from collections.abc import Iterator
@@ -38,10 +39,9 @@ def available() -> bool:
     if os.environ.get("SPEEDRUN_DALI", "1") == "0" or not torch.cuda.is_available():
         return False
     try:
-        import nvidia.dali  # noqa: F401
-    except ImportError:
+        return importlib.util.find_spec("nvidia.dali") is not None
+    except ImportError:  # no `nvidia` namespace package at all
         return False
-    return True
 
 
 class _EpochFiles:
