@@ -14,16 +14,16 @@ Generation runs on all cores (one process per chunk of images) and is determinis
 """
 from __future__ import annotations
 
-import gzip
 import math
 import os
-import struct
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
+
+from speedrun.data.fashion_mnist import read_idx  # the one IDX reader; re-exported here
 
 FMNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 FMNIST_CLASSES = ("t-shirt", "trouser", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag", "ankle-boot")
@@ -108,18 +108,6 @@ def imagenet_tree(
 
 # ---------------------------------------------------------------------------------------------
 # Fashion-MNIST
-
-
-def read_idx(path: str | os.PathLike) -> np.ndarray:
-    """An IDX file (optionally gzipped) as a numpy array (uint8 images N x 28 x 28 or labels N)."""
-    opener = gzip.open if str(path).endswith(".gz") else open
-    with opener(path, "rb") as f:
-        data = f.read()
-    zero, dtype_code, ndim = struct.unpack(">HBB", data[:4])
-    if zero != 0 or dtype_code != 0x08:
-        raise ValueError(f"{path}: not an unsigned-byte IDX file")
-    shape = struct.unpack(f">{ndim}I", data[4 : 4 + 4 * ndim])
-    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(shape)
 
 
 def garment_canvas(garment: np.ndarray, rng: np.random.Generator, short_range: tuple[int, int] = (48, 96)) -> Image.Image:
