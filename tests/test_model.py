@@ -80,7 +80,7 @@ def test_zero_init_of_last_bn_in_every_residual_block():
 
     own = build_model("resnet-fmnist", 10, 1)
     own_blocks = [m for m in own.modules() if type(m).__name__ == "BasicBlock"]
-    assert own_blocks and all(torch.count_nonzero(b.bn2.weight) == 0 for b in own_blocks)
+    assert own_blocks and all(torch.count_nonzero(b.norm2.weight) == 0 for b in own_blocks)
     # Each block starts with its residual branch adding nothing: out = relu(shortcut(x)).
     block = own_blocks[-1].eval()
     x = torch.randn(2, block.conv1.in_channels, 14, 14)

@@ -76,12 +76,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise SpeedrunError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if args.checkpoint_every < 0:
         raise SpeedrunError(f"--checkpoint-every must be 0 or more, got {args.checkpoint_every}")
-    if args.nproc_per_node:
-        if args.data is not None and not Path(args.data).exists():
-            raise SpeedrunError(f"data path {args.data!r} does not exist")
-        return launch_local_processes(args, recipe)
-
-    from speedrun.engine import TrainConfig, train
+    from speedrun.engine import TrainConfig, check_device_options, train
 
     cfg = TrainConfig(
         recipe=recipe,
@@ -101,6 +96,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         bf16_grads=args.bf16_grads,
         process_start=process_start_time(),
     )
+    check_device_options(cfg)
+    if args.nproc_per_node:
+        if args.data is not None and not Path(args.data).exists():
+            raise SpeedrunError(f"data path {args.data!r} does not exist")
+        return launch_local_processes(args, recipe)
     results = train(cfg)
     return 0 if results["status"] in ("finished", "target_reached") else EXIT_TRAINING_FAILED
 
@@ -157,9 +157,11 @@ def launch_local_processes(args: argparse.Namespace, recipe: Recipe) -> int:
         elastic_launch(config, sys.executable)("-m", "speedrun", *forwarded)
     except ChildFailedError as e:
         rank, failure = root_cause(e.failures)
-        message = str(failure.message or "")
-        if not message or message.startswith("To enable traceback"):  # torchrun's placeholder
+        message = failure.message or ""
+        if not message or str(message).startswith("To enable traceback"):  # torchrun's placeholder
             message = "it left no error message"
+        elif isinstance(failure.message, dict):  # the error file our processes write (cli.report)
+            message = str(failure.message.get("message", failure.message)).removeprefix("RuntimeError: ")
         raise TrainingFailed(
             f"rank {rank} (pid {failure.pid}) failed first with exit code {failure.exitcode}: {message}; "
             "the other ranks were stopped"

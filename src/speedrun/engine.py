@@ -75,6 +75,7 @@ class RunState:
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Run the recipe to its end or its target; return the results (also in results.json)."""
     recipe = cfg.recipe
+    check_device_options(cfg)
     ctx = init_distributed(pick_device(cfg.device))
     restore_sigterm = stop_on_sigterm()
     try:
@@ -241,6 +242,15 @@ def run_epochs(
     return results
 
 
+def check_device_options(cfg: TrainConfig) -> None:
+    """Options that only work on GPUs, refused up front on the CPU."""
+    if pick_device(cfg.device) != "cuda":
+        if cfg.sync_bn:
+            raise SpeedrunError("--sync-bn needs CUDA: PyTorch's SyncBatchNorm runs on GPUs only")
+        if cfg.bf16_grads:
+            raise SpeedrunError("--bf16-grads compresses NCCL all-reduces and needs CUDA")
+
+
 def stop_on_sigterm():
     """Treat SIGTERM (torchrun stopping the survivors when a rank died, a spot instance being
     reclaimed) like Ctrl-C, so results so far are written. Returns a function undoing this."""
@@ -291,8 +301,6 @@ def wrap_model(model: nn.Module, cfg: TrainConfig, ctx: DistContext) -> nn.Modul
             gradient_as_bucket_view=True,
         )
         if cfg.bf16_grads:
-            if ctx.device.type != "cuda":
-                raise SpeedrunError("--bf16-grads compresses NCCL all-reduces and needs --device cuda")
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
             net.register_comm_hook(None, default_hooks.bf16_compress_hook)

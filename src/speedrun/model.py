@@ -16,22 +16,26 @@ from speedrun.errors import SpeedrunError
 class BasicBlock(nn.Module):
     """Two 3x3 convolutions with a residual connection (He et al. 2016)."""
 
-    def __init__(self, in_channels: int, out_channels: int, stride: int = 1):
+    def __init__(self, in_channels: int, out_channels: int, stride: int = 1, norm: type[nn.Module] = nn.BatchNorm2d):
         super().__init__()
         self.conv1 = nn.Conv2d(in_channels, out_channels, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(out_channels)
+        self.norm1 = norm(out_channels)
         self.conv2 = nn.Conv2d(out_channels, out_channels, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(out_channels)
+        self.norm2 = norm(out_channels)
         self.shortcut = nn.Identity()
         if stride != 1 or in_channels != out_channels:
-            self.shortcut = nn.Sequential(
-                nn.Conv2d(in_channels, out_channels, 1, stride, bias=False), nn.BatchNorm2d(out_channels)
-            )
+            self.shortcut = nn.Sequential(nn.Conv2d(in_channels, out_channels, 1, stride, bias=False), norm(out_channels))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.relu(self.bn1(self.conv1(x)), inplace=True)
-        out = self.bn2(self.conv2(out))
+        out = F.relu(self.norm1(self.conv1(x)), inplace=True)
+        out = self.norm2(self.conv2(out))
         return F.relu(out + self.shortcut(x), inplace=True)
+
+
+def group_norm(channels: int) -> nn.GroupNorm:
+    """GroupNorm with groups of 4 channels: statistics per image, so results do not depend on
+    how a batch is split across devices."""
+    return nn.GroupNorm(max(1, channels // 4), channels)
 
 
 class SmallResNet(nn.Module):
@@ -39,15 +43,20 @@ class SmallResNet(nn.Module):
     stage per entry of `widths[1:]`, each halving the resolution. Global average pooling makes it
     take any input size, which progressive resizing needs."""
 
-    def __init__(self, widths: tuple[int, ...], blocks_per_stage: int = 1, in_chans: int = 1, num_classes: int = 10):
+    def __init__(
+        self,
+        widths: tuple[int, ...],
+        blocks_per_stage: int = 1,
+        in_chans: int = 1,
+        num_classes: int = 10,
+        norm: type[nn.Module] = nn.BatchNorm2d,
+    ):
         super().__init__()
-        self.stem = nn.Sequential(
-            nn.Conv2d(in_chans, widths[0], 3, 1, 1, bias=False), nn.BatchNorm2d(widths[0]), nn.ReLU(inplace=True)
-        )
+        self.stem = nn.Sequential(nn.Conv2d(in_chans, widths[0], 3, 1, 1, bias=False), norm(widths[0]), nn.ReLU(inplace=True))
         stages = []
         for w_in, w_out in zip(widths[:-1], widths[1:]):
-            blocks = [BasicBlock(w_in, w_out, stride=2)]
-            blocks += [BasicBlock(w_out, w_out) for _ in range(blocks_per_stage - 1)]
+            blocks = [BasicBlock(w_in, w_out, stride=2, norm=norm)]
+            blocks += [BasicBlock(w_out, w_out, norm=norm) for _ in range(blocks_per_stage - 1)]
             stages.append(nn.Sequential(*blocks))
         self.stages = nn.Sequential(*stages)
         self.pool = nn.AdaptiveAvgPool2d(1)
@@ -61,6 +70,7 @@ class SmallResNet(nn.Module):
 OWN_MODELS = {
     "resnet-fmnist": lambda in_chans, num_classes: SmallResNet((16, 32, 64), 1, in_chans, num_classes),
     "resnet-fmnist-tiny": lambda in_chans, num_classes: SmallResNet((8, 16, 32), 1, in_chans, num_classes),
+    "resnet-fmnist-tiny-gn": lambda in_chans, num_classes: SmallResNet((8, 16, 32), 1, in_chans, num_classes, group_norm),
 }
 
 
@@ -162,15 +172,17 @@ def make_size_agnostic(model: nn.Module, reference_size: int | tuple[int, int] =
 
 
 def zero_init_residual_bn(model: nn.Module) -> int:
-    """Zero the gamma of the last BatchNorm in every residual block, so each block starts as the
+    """Zero the gamma of the last norm layer in every residual block, so each block starts as the
     identity (Goyal et al. 2017). Knows torchvision's and speedrun's blocks and timm's
     `zero_init_last`. Returns the number of blocks initialised."""
     count = 0
     for m in model.modules():
         if isinstance(m, torchvision.models.resnet.Bottleneck) and m.bn3.weight is not None:
             nn.init.zeros_(m.bn3.weight)
-        elif isinstance(m, torchvision.models.resnet.BasicBlock | BasicBlock) and m.bn2.weight is not None:
+        elif isinstance(m, torchvision.models.resnet.BasicBlock) and m.bn2.weight is not None:
             nn.init.zeros_(m.bn2.weight)
+        elif isinstance(m, BasicBlock) and m.norm2.weight is not None:
+            nn.init.zeros_(m.norm2.weight)
         elif hasattr(m, "zero_init_last") and callable(m.zero_init_last):
             m.zero_init_last()
         else:
