@@ -92,3 +92,32 @@ def test_crop_boxes_stay_in_the_padded_image_and_cover_min_scale():
     assert (boxes[:, :2] >= -2 - 1e-4).all() and (boxes[:, 2:] <= 30 + 1e-4).all()
     assert ((w * h) >= 0.5 * 28 * 28 * 0.999).all()
     assert 0.4 < flips.float().mean() < 0.6
+
+
+def test_download_when_no_folder_has_the_files(tmp_path, monkeypatch):
+    """With nothing on disk, the files are fetched over HTTP into the cache (here from a server on
+    loopback standing in for the official mirror); an unreachable mirror is a one-line error."""
+    import functools
+    import http.server
+    import threading
+
+    mirror = copy_dataset(tmp_path / "mirror")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(mirror))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        monkeypatch.setenv("HOME", str(tmp_path / "home"))
+        monkeypatch.delenv("SPEEDRUN_DATA", raising=False)
+        monkeypatch.setattr(fm, "DEBIAN_DIR", tmp_path / "no-debian-package")
+        monkeypatch.setattr(fm, "OFFICIAL_URL", f"http://127.0.0.1:{server.server_port}/")
+        files = fm.find_files()
+        assert files["train_labels"].parent == tmp_path / "home" / ".cache" / "speedrun" / "fashion-mnist"
+        assert fm.read_idx(files["train_labels"]).shape == (60000,)
+    finally:
+        server.shutdown()
+        server.server_close()
+    monkeypatch.setenv("HOME", str(tmp_path / "home2"))
+    with pytest.raises(SpeedrunError, match="downloading failed") as error:
+        fm.find_files()
+    assert "dataset-fashion-mnist" in str(error.value) and "\n" not in str(error.value)

@@ -49,6 +49,7 @@ class TrainConfig:
     seed: int = 0
     deterministic: bool = False
     workers: int | None = None  # decode processes per device (image folders)
+    copies: str | None = None  # where an image folder's resized copies are (None: <data>-sz)
     log_every: int = 50  # steps between train-loss records
     checkpoint_every: int = 1  # epochs between checkpoints (0: never)
     sync_bn: bool = False  # synchronise BatchNorm statistics across ranks
@@ -82,7 +83,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         cfg.out = resolve_run_dir(cfg, ctx)
         configure_determinism(cfg, ctx)
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-        source = build_source(recipe, cfg.data, ctx.device, cfg.workers)
+        source = build_source(recipe, cfg.data, ctx.device, cfg.workers, cfg.copies)
         model = build_model(recipe.model, source.num_classes, source.channels)
         channels_last = _is_conv_net(model)
         model = model.to(ctx.device, memory_format=torch.channels_last if channels_last else torch.preserve_format)
@@ -237,6 +238,8 @@ def run_epochs(
         if first_step_at is not None:
             state.train_s = train_s_before + time.time() - first_step_at
         results = build_results(cfg, ctx, state, evals, status, session_start)
+        bad = getattr(source, "bad_images", None)  # image folders count files they had to skip
+        results["skipped_images"] = {"files": len(bad.files), "failures": bad.count} if bad is not None else None
         tracker.write_results(results)
         tracker.plot(evals, asdict(recipe.target) if recipe.target else None)
     return results

@@ -16,11 +16,14 @@ if TYPE_CHECKING:
     from speedrun.recipe import Recipe
 
 
-def build_source(recipe: Recipe, path: str | None, device: torch.device, workers: int | None = None) -> DataSource:
+def build_source(
+    recipe: Recipe, path: str | None, device: torch.device, workers: int | None = None, copies: str | None = None
+) -> DataSource:
     """The data source for `recipe.dataset`, reading from `path` (None: the source's default).
 
     `workers` is the number of decode processes per device for sources that decode files
-    (None: chosen from the machine's cores).
+    (None: chosen from the machine's cores); `copies` is where an image folder's resized copies
+    are (None: $SPEEDRUN_COPIES, else <path>-sz; see docs/data.md).
     """
     if recipe.dataset == "fashion-mnist":
         from speedrun.data.fashion_mnist import FashionMNIST
@@ -36,6 +39,10 @@ def build_source(recipe: Recipe, path: str | None, device: torch.device, workers
         if path is None:
             raise SpeedrunError(f"recipe {recipe.name!r} reads an image folder: give its root with --data PATH")
         return ImageFolderSource(
-            path, workers=workers, train_examples=recipe.train_examples, val_examples=recipe.val_examples
+            path,
+            workers=workers,
+            train_examples=recipe.train_examples,
+            val_examples=recipe.val_examples,
+            copies_dir=copies,
         )
     raise SpeedrunError(f"unknown dataset {recipe.dataset!r} (choose from fashion-mnist, imagefolder, synthetic)")
