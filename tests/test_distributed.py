@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from speedrun.data.base import Shard
-from speedrun.engine import evaluate
+from speedrun.engine import DeviceBatches, evaluate
 from speedrun.data.fashion_mnist import FashionMNIST
 from speedrun.dist import DistContext
 from speedrun.model import build_model
@@ -93,8 +93,8 @@ def test_three_processes_count_every_validation_sample_once(tmp_path):
     model.load_state_dict(torch.load(out / "checkpoint.pt", weights_only=False)["model"])
     model = model.to(memory_format=torch.channels_last)
     source = FashionMNIST(None, val_examples=500)
-    mean, std = torch.tensor(source.mean).view(-1, 1, 1), torch.tensor(source.std).view(-1, 1, 1)
-    single = evaluate(model, source, 28, 64, False, DistContext(0, 1, 0, torch.device("cpu")), mean, std, True, False)
+    batches = DeviceBatches(source, DistContext(0, 1, 0, torch.device("cpu")), channels_last=True)
+    single = evaluate(model, source, 28, 64, False, batches, use_bf16=False)
     assert single["count"] == 500
     assert final["top1"] == pytest.approx(single["top1"], abs=1e-9)
     assert final["top5"] == pytest.approx(single["top5"], abs=1e-9)

@@ -29,7 +29,7 @@ from speedrun.dist import DistContext, all_reduce_sum, average_buffers, broadcas
 from speedrun.errors import SpeedrunError, TrainingFailed
 from speedrun.model import build_model
 from speedrun.optim import build_optimizer, set_lr
-from speedrun.recipe import Recipe
+from speedrun.recipe import Phase, Recipe
 from speedrun.track import Tracker, read_jsonl
 
 
@@ -118,8 +118,7 @@ def run_epochs(
 ) -> dict[str, Any]:
     recipe = cfg.recipe
     net = wrap_model(model, cfg, ctx)
-    mean = torch.tensor(source.mean, device=ctx.device).view(-1, 1, 1)
-    std = torch.tensor(source.std, device=ctx.device).view(-1, 1, 1)
+    batches = DeviceBatches(source, ctx, channels_last)
     criterion = nn.CrossEntropyLoss(label_smoothing=recipe.optimizer.label_smoothing)
     use_bf16 = uses_bf16(cfg.precision, ctx.device)
     evals = read_jsonl(cfg.out / "metrics.jsonl") if cfg.resume else []
@@ -129,100 +128,32 @@ def run_epochs(
         f"{'bf16' if use_bf16 else 'fp32'}, LR x{recipe.lr_scale(ctx.world_size):g} for world size "
         f"{ctx.world_size}, target {recipe.target or 'none'}, out {cfg.out}"
     )
-    session_start = time.time()
-    first_step_at: float | None = None
-    train_s_before = state.train_s  # from earlier sessions of a resumed run
-    stream: TrainStream | None = None
-    stream_key = None
+    clock = Clock(cfg.process_start, state)
+    streams = PhaseStreams(source, ctx, cfg.seed)
     status = "interrupted"
     try:
         for epoch in range(state.epoch, recipe.epochs):
             phase = recipe.phase_at(epoch)
-            # A new data setting needs a new stream; a batch-size-only change keeps it.
-            if phase.data_key != stream_key:
-                if stream is not None:
-                    stream.close()
-                stream, stream_key = source.train_stream(phase, ctx.shard, cfg.seed), phase.data_key
-            stream.batch_size = phase.batch_size
-            stream.set_epoch(epoch)
-            steps = len(stream)
-            if steps == 0:
-                raise SpeedrunError(
-                    f"epoch {epoch}: {source.num_train} training images cannot fill one batch of "
-                    f"{phase.batch_size} x {ctx.world_size} devices; lower the batch size"
-                )
-            tracker.start_epoch(epoch, recipe.epochs, steps, phase.size, phase.batch_size)
-            net.train()
-            epoch_start = time.time()
-            for i, (images, labels) in enumerate(stream):
-                if first_step_at is None:
-                    first_step_at = time.time()
-                    if state.step == 0:
-                        state.startup_s = first_step_at - cfg.process_start
-                lr = recipe.lr_at(epoch, i, steps, ctx.world_size)
-                set_lr(optimizer, lr)
-                x = normalize_on_device(images, mean, std, ctx.device, channels_last)
-                y = labels.to(ctx.device, non_blocking=True)
-                loss = train_step(net, optimizer, criterion, x, y, use_bf16)
-                state.step += 1
-                if state.step % cfg.log_every == 0 or i == steps - 1:
-                    log_train_loss(loss, lr, epoch, state.step, ctx, tracker)
-                tracker.advance(_rate(i + 1, phase.batch_size * ctx.world_size, epoch_start))
-            if ctx.device.type == "cuda":
-                torch.cuda.synchronize()
-            epoch_s = time.time() - epoch_start
+            stream = streams.for_epoch(phase, epoch)
+            tracker.start_epoch(epoch, recipe.epochs, len(stream), phase.size, phase.batch_size)
+            speed = train_one_epoch(net, optimizer, criterion, stream, batches, recipe, epoch, state, clock,
+                                    ctx, tracker, cfg.log_every, use_bf16)
             average_buffers(model, ctx)
-            tracker.log_epoch(
-                {
-                    "epoch": epoch,
-                    "step": state.step,
-                    "size": phase.size,
-                    "batch_size": phase.batch_size,
-                    "images_per_s": steps * phase.batch_size * ctx.world_size / epoch_s,
-                    "epoch_s": epoch_s,
-                    "memory_mb": memory_mb(ctx.device),
-                }
-            )
+            tracker.log_epoch({"epoch": epoch, "step": state.step, "size": phase.size,
+                               "batch_size": phase.batch_size, **speed, "memory_mb": memory_mb(ctx.device)})
             state.epoch = epoch + 1
             last = epoch == recipe.epochs - 1
             if (epoch + 1) % recipe.eval_every == 0 or last:
                 metrics = evaluate(net, source, phase.size, recipe.val_batch_size or phase.batch_size,
-                                   phase.rect_val, ctx, mean, std, channels_last, use_bf16)
+                                   phase.rect_val, batches, use_bf16)
                 # Evaluation time counts towards time-to-target, as in the 2018 record's clock.
-                state.train_s = train_s_before + time.time() - first_step_at
-                record = {
-                    "epoch": epoch,
-                    "step": state.step,
-                    "size": phase.size,
-                    "rect_val": phase.rect_val,
-                    "wall_s": state.startup_s + state.train_s,
-                    "train_s": state.train_s,
-                    "epoch_s": epoch_s,
-                    **metrics,
-                }
-                evals.append(record)
-                tracker.log_eval(record)
-                tracker.print(
-                    f"epoch {epoch + 1:>3}/{recipe.epochs} {phase.size}px  loss {metrics['loss']:.4f}  "
-                    f"top1 {100 * metrics['top1']:.2f}%  top5 {100 * metrics['top5']:.2f}%  "
-                    f"{steps * phase.batch_size * ctx.world_size / epoch_s:,.0f} img/s  "
-                    f"wall {record['wall_s']:.1f}s"
-                )
-                for key in ("top1", "top5"):
-                    state.best[key] = max(state.best.get(key, 0.0), metrics[key])
-                if reached_target(recipe, metrics) and state.time_to_target_s is None:
-                    state.time_to_target_s = state.startup_s + state.train_s
-                    state.time_to_target_from_first_step_s = state.train_s
-                    state.target_epoch = epoch
-                    tracker.print(
-                        f"target {recipe.target} reached at epoch {epoch + 1}: "
-                        f"{state.time_to_target_s:.1f}s from process start, "
-                        f"{state.time_to_target_from_first_step_s:.1f}s from the first step"
-                    )
-            state.train_s = train_s_before + time.time() - first_step_at
-            if cfg.checkpoint_every and (state.epoch % cfg.checkpoint_every == 0 or last or state.target_epoch == epoch):
-                if ctx.is_main:
-                    save_checkpoint(cfg.out / "checkpoint.pt", model, optimizer, state, recipe)
+                state.train_s = clock.train_s()
+                evals.append(note_evaluation(recipe, phase, epoch, metrics, speed, state, tracker))
+            state.train_s = clock.train_s()
+            if ctx.is_main and cfg.checkpoint_every and (
+                state.epoch % cfg.checkpoint_every == 0 or last or state.target_epoch == epoch
+            ):
+                save_checkpoint(cfg.out / "checkpoint.pt", model, optimizer, state, recipe)
             if state.target_epoch is not None:
                 break
         status = "target_reached" if state.time_to_target_s is not None else "finished"
@@ -233,16 +164,140 @@ def run_epochs(
         status = "failed"
         raise TrainingFailed(f"a collective failed, {PEER_DIED}: {str(e).splitlines()[0]}") from None
     finally:
-        if stream is not None:
-            stream.close()
-        if first_step_at is not None:
-            state.train_s = train_s_before + time.time() - first_step_at
-        results = build_results(cfg, ctx, state, evals, status, session_start)
+        streams.close()
+        state.train_s = clock.train_s()
+        results = build_results(cfg, ctx, state, evals, status, clock.session_start)
         bad = getattr(source, "bad_images", None)  # image folders count files they had to skip
         results["skipped_images"] = {"files": len(bad.files), "failures": bad.count} if bad is not None else None
         tracker.write_results(results)
         tracker.plot(evals, asdict(recipe.target) if recipe.target else None)
     return results
+
+
+def train_one_epoch(
+    net: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    criterion: nn.Module,
+    stream: TrainStream,
+    batches: DeviceBatches,
+    recipe: Recipe,
+    epoch: int,
+    state: RunState,
+    clock: Clock,
+    ctx: DistContext,
+    tracker: Tracker,
+    log_every: int,
+    use_bf16: bool,
+) -> dict[str, float]:
+    """One pass over this rank's share of the training set, the LR set before every step.
+    Returns the epoch's speed: images_per_s (all ranks) and epoch_s."""
+    net.train()
+    steps = len(stream)
+    images_per_step = stream.batch_size * ctx.world_size
+    start = time.time()
+    for i, (images, labels) in enumerate(stream):
+        clock.first_step()
+        lr = recipe.lr_at(epoch, i, steps, ctx.world_size)
+        set_lr(optimizer, lr)
+        loss = train_step(net, optimizer, criterion, *batches.to_device(images, labels), use_bf16)
+        state.step += 1
+        if state.step % log_every == 0 or i == steps - 1:
+            log_train_loss(loss, lr, epoch, state.step, ctx, tracker)
+        tracker.advance((i + 1) * images_per_step / max(time.time() - start, 1e-9))
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize()
+    epoch_s = time.time() - start
+    return {"images_per_s": steps * images_per_step / epoch_s, "epoch_s": epoch_s}
+
+
+def note_evaluation(recipe: Recipe, phase: Phase, epoch: int, metrics: dict, speed: dict, state: RunState, tracker: Tracker) -> dict:
+    """Log an evaluation, keep the best metrics, and stop the clock at the target. Returns the record."""
+    record = {"epoch": epoch, "step": state.step, "size": phase.size, "rect_val": phase.rect_val,
+              "wall_s": state.startup_s + state.train_s, "train_s": state.train_s, "epoch_s": speed["epoch_s"],
+              **metrics}
+    tracker.log_eval(record)
+    tracker.print(
+        f"epoch {epoch + 1:>3}/{recipe.epochs} {phase.size}px  loss {metrics['loss']:.4f}  "
+        f"top1 {100 * metrics['top1']:.2f}%  top5 {100 * metrics['top5']:.2f}%  "
+        f"{speed['images_per_s']:,.0f} img/s  wall {record['wall_s']:.1f}s"
+    )
+    for key in ("top1", "top5"):
+        state.best[key] = max(state.best.get(key, 0.0), metrics[key])
+    if reached_target(recipe, metrics) and state.time_to_target_s is None:
+        state.time_to_target_s = state.startup_s + state.train_s
+        state.time_to_target_from_first_step_s = state.train_s
+        state.target_epoch = epoch
+        tracker.print(
+            f"target {recipe.target} reached at epoch {epoch + 1}: {state.time_to_target_s:.1f}s from process "
+            f"start, {state.time_to_target_from_first_step_s:.1f}s from the first step"
+        )
+    return record
+
+
+class Clock:
+    """Wall-clock accounting that survives resumes: startup (process start -> first step, from
+    the run's first session) plus training time (first step -> now, summed over sessions)."""
+
+    def __init__(self, process_start: float, state: RunState):
+        self.process_start = process_start
+        self.session_start = time.time()
+        self.state = state
+        self.train_s_before = state.train_s
+        self.first_step_at: float | None = None
+
+    def first_step(self) -> None:
+        """Call at every step; only the first call of a session starts the clock."""
+        if self.first_step_at is None:
+            self.first_step_at = time.time()
+            if self.state.step == 0:
+                self.state.startup_s = self.first_step_at - self.process_start
+
+    def train_s(self) -> float:
+        if self.first_step_at is None:
+            return self.train_s_before
+        return self.train_s_before + time.time() - self.first_step_at
+
+
+class PhaseStreams:
+    """The training stream for each epoch: a new one when the data setting changes, the same
+    one re-batched when only the batch size does (no new dataset, no new loader workers)."""
+
+    def __init__(self, source: DataSource, ctx: DistContext, seed: int):
+        self.source, self.ctx, self.seed = source, ctx, seed
+        self.stream: TrainStream | None = None
+        self.key = None
+
+    def for_epoch(self, phase: Phase, epoch: int) -> TrainStream:
+        if phase.data_key != self.key:
+            self.close()
+            self.stream, self.key = self.source.train_stream(phase, self.ctx.shard, self.seed), phase.data_key
+        self.stream.batch_size = phase.batch_size
+        self.stream.set_epoch(epoch)
+        if len(self.stream) == 0:
+            raise SpeedrunError(
+                f"epoch {epoch}: {self.source.num_train} training images cannot fill one batch of "
+                f"{phase.batch_size} x {self.ctx.world_size} devices; lower the batch size"
+            )
+        return self.stream
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
+            self.stream, self.key = None, None
+
+
+class DeviceBatches:
+    """Moves uint8 batches to the device and normalises them there."""
+
+    def __init__(self, source: DataSource, ctx: DistContext, channels_last: bool):
+        self.ctx, self.device = ctx, ctx.device
+        self.channels_last = channels_last
+        self.mean = torch.tensor(source.mean, device=ctx.device).view(-1, 1, 1)
+        self.std = torch.tensor(source.std, device=ctx.device).view(-1, 1, 1)
+
+    def to_device(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = normalize_on_device(images, self.mean, self.std, self.device, self.channels_last)
+        return x, labels.to(self.device, non_blocking=True)
 
 
 def check_device_options(cfg: TrainConfig) -> None:
@@ -333,24 +388,15 @@ def train_step(
 
 @torch.no_grad()
 def evaluate(
-    net: nn.Module,
-    source: DataSource,
-    size: int,
-    batch_size: int,
-    rect: bool,
-    ctx: DistContext,
-    mean: torch.Tensor,
-    std: torch.Tensor,
-    channels_last: bool,
-    use_bf16: bool,
+    net: nn.Module, source: DataSource, size: int, batch_size: int, rect: bool, batches: DeviceBatches, use_bf16: bool
 ) -> dict[str, float]:
     """Loss, top-1 and top-5 over the whole validation split; each rank evaluates its share and
     the sums are reduced, so every sample counts exactly once whatever the world size."""
     net.eval()
+    ctx = batches.ctx
     sums = torch.zeros(4, dtype=torch.float64, device=ctx.device)  # loss, correct@1, correct@5, count
     for images, labels in source.val_batches(size, batch_size, rect, ctx.shard):
-        x = normalize_on_device(images, mean, std, ctx.device, channels_last)
-        y = labels.to(ctx.device, non_blocking=True)
+        x, y = batches.to_device(images, labels)
         with torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=use_bf16):
             logits = net(x)
         sums += count_correct(logits.float(), y)
@@ -411,10 +457,6 @@ def _is_conv_net(model: nn.Module) -> bool:
     # channels_last speeds up convolutions on both CUDA and oneDNN (CPU); measured 1.3x on the
     # demo ResNet with 2 CPU cores.
     return any(isinstance(m, nn.Conv2d) for m in model.modules())
-
-
-def _rate(steps_done: int, images_per_step: int, since: float) -> float:
-    return steps_done * images_per_step / max(time.time() - since, 1e-9)
 
 
 def memory_mb(device: torch.device) -> float:
