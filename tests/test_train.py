@@ -138,3 +138,31 @@ def test_batch_size_only_change_keeps_the_train_stream(tmp_path, monkeypatch):
     engine.train(engine.TrainConfig(recipe=recipe, out=tmp_path / "run", device="cpu", checkpoint_every=0))
     assert [size for size, _ in made] == [20, 28]
     assert made[0][1].batch_size == 128  # the same object, re-batched for phase 1
+
+
+def test_ema_weights_are_what_is_evaluated_and_saved(tmp_path):
+    """With ema_decay the evaluation runs on the moving average, which the checkpoint holds next
+    to the raw weights."""
+    import dataclasses
+
+    from speedrun.data.fashion_mnist import FashionMNIST
+    from speedrun.dist import DistContext
+    from speedrun.model import build_model
+
+    recipe = dataclasses.replace(TINY.with_epochs(2), ema_decay=0.99)
+    results = engine.train(engine.TrainConfig(recipe=recipe, out=tmp_path / "run", device="cpu", checkpoint_every=1))
+    saved = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
+    assert saved["ema"] is not None and saved["ema"].keys() == saved["model"].keys()
+    assert not torch.equal(saved["ema"]["fc.weight"], saved["model"]["fc.weight"])
+
+    source = FashionMNIST(None, val_examples=TINY.val_examples)
+    batches = engine.DeviceBatches(source, DistContext(0, 1, 0, torch.device("cpu")), channels_last=True)
+    final = results["final"]
+
+    def loss(weights):
+        model = build_model(TINY.model, 10, 1).to(memory_format=torch.channels_last)
+        model.load_state_dict(weights)
+        return engine.evaluate(model, source, final["size"], TINY.val_batch_size, False, batches, False)["loss"]
+
+    assert loss(saved["ema"]) == pytest.approx(final["loss"], rel=1e-6)
+    assert loss(saved["model"]) != pytest.approx(final["loss"], rel=1e-3)

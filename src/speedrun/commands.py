@@ -215,6 +215,7 @@ def cmd_recipes(args: argparse.Namespace) -> int:
         f"target {recipe.target or 'none'}\n"
         f"optimizer {opt.name} momentum {opt.momentum} nesterov {opt.nesterov} weight decay {opt.weight_decay} "
         f"(none on {opt.no_decay.replace('_', ' + ')}), label smoothing {opt.label_smoothing}"
+        + (f", weight EMA decay {recipe.ema_decay}" if recipe.ema_decay else "")
     )
     rows = recipe.table()
     table = Table(*rows[0].keys())

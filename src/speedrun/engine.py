@@ -82,21 +82,14 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     try:
         cfg.out = resolve_run_dir(cfg, ctx)
         configure_determinism(cfg, ctx)
-        torch.manual_seed(cfg.seed)  # the same initial weights on every rank
         source = build_source(recipe, cfg.data, ctx.device, cfg.workers, cfg.copies)
-        model = build_model(recipe.model, source.num_classes, source.channels)
-        channels_last = _is_conv_net(model)
-        model = model.to(ctx.device, memory_format=torch.channels_last if channels_last else torch.preserve_format)
-        if cfg.sync_bn and ctx.distributed:
-            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        optimizer = build_optimizer(model, recipe.optimizer, lr=recipe.lr_at(0, 0, 1, ctx.world_size))
+        learner = build_learner(cfg, ctx, source)
         state = RunState()
-        ckpt_path = cfg.out / "checkpoint.pt"
         if cfg.resume:
-            state = restore(ckpt_path, model, optimizer, recipe)
+            state = restore(cfg.out / "checkpoint.pt", learner, recipe)
         tracker = Tracker(cfg.out, enabled=ctx.is_main, resume_step=state.step if cfg.resume else None)
         try:
-            results = run_epochs(cfg, ctx, source, model, optimizer, state, tracker, channels_last)
+            results = run_epochs(cfg, ctx, source, learner, state, tracker)
         finally:
             tracker.close()
             source.close()
@@ -107,25 +100,15 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
 
 def run_epochs(
-    cfg: TrainConfig,
-    ctx: DistContext,
-    source: DataSource,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    state: RunState,
-    tracker: Tracker,
-    channels_last: bool,
+    cfg: TrainConfig, ctx: DistContext, source: DataSource, learner: Learner, state: RunState, tracker: Tracker
 ) -> dict[str, Any]:
     recipe = cfg.recipe
-    net = wrap_model(model, cfg, ctx)
-    batches = DeviceBatches(source, ctx, channels_last)
-    criterion = nn.CrossEntropyLoss(label_smoothing=recipe.optimizer.label_smoothing)
-    use_bf16 = uses_bf16(cfg.precision, ctx.device)
+    batches = DeviceBatches(source, ctx, learner.channels_last)
     evals = read_jsonl(cfg.out / "metrics.jsonl") if cfg.resume else []
     tracker.print(
         f"speedrun {speedrun.__version__}: recipe {recipe.name}, model {recipe.model}, "
         f"{source.num_train} train / {source.num_val} val images, {ctx.world_size} x {ctx.device.type}, "
-        f"{'bf16' if use_bf16 else 'fp32'}, LR x{recipe.lr_scale(ctx.world_size):g} for world size "
+        f"{'bf16' if learner.use_bf16 else 'fp32'}, LR x{recipe.lr_scale(ctx.world_size):g} for world size "
         f"{ctx.world_size}, target {recipe.target or 'none'}, out {cfg.out}"
     )
     clock = Clock(cfg.process_start, state)
@@ -136,16 +119,15 @@ def run_epochs(
             phase = recipe.phase_at(epoch)
             stream = streams.for_epoch(phase, epoch)
             tracker.start_epoch(epoch, recipe.epochs, len(stream), phase.size, phase.batch_size)
-            speed = train_one_epoch(net, optimizer, criterion, stream, batches, recipe, epoch, state, clock,
-                                    ctx, tracker, cfg.log_every, use_bf16)
-            average_buffers(model, ctx)
+            speed = train_one_epoch(learner, stream, batches, recipe, epoch, state, clock, ctx, tracker, cfg.log_every)
+            learner.average_buffers(ctx)
             tracker.log_epoch({"epoch": epoch, "step": state.step, "size": phase.size,
                                "batch_size": phase.batch_size, **speed, "memory_mb": memory_mb(ctx.device)})
             state.epoch = epoch + 1
             last = epoch == recipe.epochs - 1
             if (epoch + 1) % recipe.eval_every == 0 or last:
-                metrics = evaluate(net, source, phase.size, recipe.val_batch_size or phase.batch_size,
-                                   phase.rect_val, batches, use_bf16)
+                metrics = evaluate(learner.eval_net, source, phase.size, recipe.val_batch_size or phase.batch_size,
+                                   phase.rect_val, batches, learner.use_bf16)
                 # Evaluation time counts towards time-to-target, as in the 2018 record's clock.
                 state.train_s = clock.train_s()
                 evals.append(note_evaluation(recipe, phase, epoch, metrics, speed, state, tracker))
@@ -153,7 +135,7 @@ def run_epochs(
             if ctx.is_main and cfg.checkpoint_every and (
                 state.epoch % cfg.checkpoint_every == 0 or last or state.target_epoch == epoch
             ):
-                save_checkpoint(cfg.out / "checkpoint.pt", model, optimizer, state, recipe)
+                save_checkpoint(cfg.out / "checkpoint.pt", learner, state, recipe)
             if state.target_epoch is not None:
                 break
         status = "target_reached" if state.time_to_target_s is not None else "finished"
@@ -175,9 +157,7 @@ def run_epochs(
 
 
 def train_one_epoch(
-    net: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    criterion: nn.Module,
+    learner: Learner,
     stream: TrainStream,
     batches: DeviceBatches,
     recipe: Recipe,
@@ -187,20 +167,19 @@ def train_one_epoch(
     ctx: DistContext,
     tracker: Tracker,
     log_every: int,
-    use_bf16: bool,
 ) -> dict[str, float]:
     """One pass over this rank's share of the training set, the LR set before every step.
     Returns the epoch's speed: images_per_s (all ranks) and epoch_s."""
-    net.train()
+    learner.net.train()
     steps = len(stream)
     images_per_step = stream.batch_size * ctx.world_size
     start = time.time()
     for i, (images, labels) in enumerate(stream):
         clock.first_step()
         lr = recipe.lr_at(epoch, i, steps, ctx.world_size)
-        set_lr(optimizer, lr)
-        loss = train_step(net, optimizer, criterion, *batches.to_device(images, labels), use_bf16)
+        set_lr(learner.optimizer, lr)
         state.step += 1
+        loss = learner.step(*batches.to_device(images, labels), state.step)
         if state.step % log_every == 0 or i == steps - 1:
             log_train_loss(loss, lr, epoch, state.step, ctx, tracker)
         tracker.advance((i + 1) * images_per_step / max(time.time() - start, 1e-9))
@@ -348,8 +327,57 @@ def resolve_run_dir(cfg: TrainConfig, ctx: DistContext) -> Path:
 # -- one step at a time ------------------------------------------------------------------------
 
 
-def wrap_model(model: nn.Module, cfg: TrainConfig, ctx: DistContext) -> nn.Module:
-    """DistributedDataParallel when there are several processes, then torch.compile if asked."""
+@dataclass
+class Learner:
+    """The model and everything that updates it: `model` is the plain module (checkpoints,
+    buffers), `net` what runs the steps (DDP and/or compiled), `ema` an optional moving average
+    of the weights that is evaluated and saved in the model's place."""
+
+    model: nn.Module
+    net: nn.Module
+    optimizer: torch.optim.Optimizer
+    criterion: nn.Module
+    use_bf16: bool
+    channels_last: bool
+    ema: Any = None  # timm.utils.ModelEmaV3
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, step: int) -> torch.Tensor:
+        """One optimizer step on a normalised batch; `step` counts steps from the run's start."""
+        loss = train_step(self.net, self.optimizer, self.criterion, x, y, self.use_bf16)
+        if self.ema is not None:
+            self.ema.update(self.model, step=step)
+        return loss
+
+    @property
+    def eval_net(self) -> nn.Module:
+        return self.ema.module if self.ema is not None else self.net
+
+    def average_buffers(self, ctx: DistContext) -> None:
+        average_buffers(self.model, ctx)
+        if self.ema is not None:
+            average_buffers(self.ema.module, ctx)
+
+
+def build_learner(cfg: TrainConfig, ctx: DistContext, source: DataSource) -> Learner:
+    """The recipe's model on the device (channels_last for CNNs), its optimizer and loss, wrapped
+    in DistributedDataParallel when there are several processes and compiled if asked."""
+    recipe = cfg.recipe
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+    model = build_model(recipe.model, source.num_classes, source.channels)
+    # channels_last speeds up convolutions on both CUDA and oneDNN (CPU); measured 1.3x on the
+    # demo ResNet with 2 CPU cores.
+    channels_last = any(isinstance(m, nn.Conv2d) for m in model.modules())
+    model = model.to(ctx.device, memory_format=torch.channels_last if channels_last else torch.preserve_format)
+    if cfg.sync_bn and ctx.distributed:
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    optimizer = build_optimizer(model, recipe.optimizer, lr=recipe.lr_at(0, 0, 1, ctx.world_size))
+    ema = None
+    if recipe.ema_decay is not None:
+        from timm.utils import ModelEmaV3
+
+        # Warmup: the average starts short and grows towards ema_decay, so early evaluations are
+        # not dominated by the random initial weights.
+        ema = ModelEmaV3(model, decay=recipe.ema_decay, use_warmup=True)
     net = model
     if ctx.distributed:
         net = DDP(
@@ -366,7 +394,8 @@ def wrap_model(model: nn.Module, cfg: TrainConfig, ctx: DistContext) -> nn.Modul
         # Sizes change between phases; each size compiles once, dynamic shapes would be slower.
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         net = torch.compile(net, dynamic=False)
-    return net
+    criterion = nn.CrossEntropyLoss(label_smoothing=recipe.optimizer.label_smoothing)
+    return Learner(model, net, optimizer, criterion, uses_bf16(cfg.precision, ctx.device), channels_last, ema)
 
 
 def train_step(
@@ -453,12 +482,6 @@ def uses_bf16(precision: str, device: torch.device) -> bool:
     return precision == "bf16" or (precision == "auto" and device.type == "cuda")
 
 
-def _is_conv_net(model: nn.Module) -> bool:
-    # channels_last speeds up convolutions on both CUDA and oneDNN (CPU); measured 1.3x on the
-    # demo ResNet with 2 CPU cores.
-    return any(isinstance(m, nn.Conv2d) for m in model.modules())
-
-
 def memory_mb(device: torch.device) -> float:
     """Peak memory of this process: CUDA allocations on a GPU, resident set size on the CPU."""
     if device.type == "cuda":
@@ -469,11 +492,12 @@ def memory_mb(device: torch.device) -> float:
 # -- checkpoints and results -------------------------------------------------------------------
 
 
-def save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, state: RunState, recipe: Recipe) -> None:
+def save_checkpoint(path: Path, learner: Learner, state: RunState, recipe: Recipe) -> None:
     checkpoint.save_atomic(
         {
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
+            "model": learner.model.state_dict(),
+            "ema": learner.ema.module.state_dict() if learner.ema is not None else None,
+            "optimizer": learner.optimizer.state_dict(),
             "state": asdict(state),
             "recipe": recipe.to_dict(),
             "rng": checkpoint.rng_state(),
@@ -483,13 +507,15 @@ def save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     )
 
 
-def restore(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, recipe: Recipe) -> RunState:
-    """Load a checkpoint into `model` and `optimizer`; the recipe must be the one it was made with."""
+def restore(path: Path, learner: Learner, recipe: Recipe) -> RunState:
+    """Load a checkpoint into the learner; the recipe must be the one it was made with."""
     saved = checkpoint.load(path)
     if Recipe.from_dict(saved["recipe"]) != recipe:
         raise SpeedrunError(f"--resume: {path} was made with a different recipe ({saved['recipe']['name']}); resume with the same one")
-    model.load_state_dict(saved["model"])
-    optimizer.load_state_dict(saved["optimizer"])
+    learner.model.load_state_dict(saved["model"])
+    if learner.ema is not None:
+        learner.ema.module.load_state_dict(saved["ema"])
+    learner.optimizer.load_state_dict(saved["optimizer"])
     checkpoint.set_rng_state(saved["rng"])
     return RunState(**saved["state"])
 

@@ -119,6 +119,7 @@ class Recipe:
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
     target: Target | None = None
     eval_every: int = 1  # evaluate every k epochs (and always after the last one)
+    ema_decay: float | None = None  # evaluate and save a moving average of the weights (per step)
     val_batch_size: int | None = None  # per device; defaults to the phase's batch size
     train_examples: int | None = None  # use only the first N training examples (quick runs)
     val_examples: int | None = None  # use only the first N validation examples
@@ -210,6 +211,8 @@ class Recipe:
                 out.append(f"{where}: target value must be a fraction in (0, 1], got {self.target.value!r}")
         if self.world_size < 1:
             out.append(f"{where}: world_size must be >= 1, got {self.world_size!r}")
+        if self.ema_decay is not None and not (0 < self.ema_decay < 1):
+            out.append(f"{where}: ema_decay must be in (0, 1), got {self.ema_decay!r}")
         if self.eval_every < 1:
             out.append(f"{where}: eval_every must be >= 1, got {self.eval_every!r}")
         for name in ("val_batch_size", "train_examples", "val_examples"):

@@ -64,13 +64,23 @@ def resize_batch(images: torch.Tensor, size: int) -> torch.Tensor:
 class TensorTrainStream:
     """Training batches from images held in one uint8 tensor (N x C x H x W), following the
     sharding rules of `speedrun.data.base`. Crop boxes are drawn per sample from (seed, epoch),
-    so every rank and every world size sees the same augmented image for the same sample."""
+    so every rank and every world size sees the same augmented image for the same sample.
+    `pad` (pixels) and `ratio` (aspect-ratio range) are passed to `random_crop_boxes`."""
 
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor, phase: Phase, shard: Shard, seed: int, pad: int = 2):
+    def __init__(
+        self,
+        images: torch.Tensor,
+        labels: torch.Tensor,
+        phase: Phase,
+        shard: Shard,
+        seed: int,
+        pad: int = 2,
+        ratio: tuple[float, float] = (3 / 4, 4 / 3),
+    ):
         self.images, self.labels = images, labels
         self.size, self.min_scale = phase.size, phase.min_scale
         self.batch_size = phase.batch_size
-        self.shard, self.seed, self.pad = shard, seed, pad
+        self.shard, self.seed, self.pad, self.ratio = shard, seed, pad, ratio
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -84,7 +94,7 @@ class TensorTrainStream:
         device = self.images.device
         order = rank_indices(epoch_permutation(n, self.seed, self.epoch), self.shard, self.batch_size)
         boxes, flips = random_crop_boxes(
-            n, height, width, self.min_scale, epoch_generator(self.seed, self.epoch, 1), self.pad
+            n, height, width, self.min_scale, epoch_generator(self.seed, self.epoch, 1), self.pad, self.ratio
         )
         order, boxes, flips = order.to(device), boxes.to(device), flips.to(device)
         for start in range(0, len(order), self.batch_size):

@@ -144,7 +144,9 @@ class FashionMNIST:
     def train_stream(self, phase: Phase, shard: Shard, seed: int) -> TensorTrainStream:
         if phase.copy is not None:
             raise SpeedrunError("fashion-mnist has no resized copies: set copy=None in the recipe's phases")
-        return TensorTrainStream(self.train_images, self.train_labels, phase, shard, seed)
+        # Upright, centred garments: crops keep their aspect ratio (aspect jitter cost about 2
+        # points of top-1 at epoch 4 of 10 in a measured run) and move by up to 2 px.
+        return TensorTrainStream(self.train_images, self.train_labels, phase, shard, seed, pad=2, ratio=(1.0, 1.0))
 
     def val_batches(self, size: int, batch_size: int, rect: bool, shard: Shard):
         """Whole test images resized to `size` px (`rect` changes nothing: they are square)."""

@@ -1,18 +1,33 @@
 """Fashion-MNIST recipes: the default demo (real data, two CPU cores) and a tiny one for tests."""
 from speedrun.recipe import OptimizerSettings, Phase, Recipe, Target
 
-# Placeholder schedule; tuned against the main job's target below.
+EPOCHS = 14
+PEAK_LR = 0.2  # for a batch of 128
+
+
+def _decay(start: int, end: int) -> tuple[float, float]:
+    """The LR line from PEAK_LR after the warmup epoch down to 0 at the last epoch, over [start, end)."""
+    return (PEAK_LR * (1 - (start - 1) / (EPOCHS - 1)), PEAK_LR * (1 - (end - 1) / (EPOCHS - 1)))
+
+
+# Measured on 2 CPU cores (docs/measurements.md): crosses 92% test top-1 around epoch 8 and ends
+# near 93.3%. Small images first (20 -> 24 -> 28 px: each epoch at 20 px costs about half of one
+# at 28 px); crops only translate (min_scale 1 with 2 px of padding) and flip; the evaluated
+# weights are a moving average, which reaches a given accuracy epochs before the raw weights do.
 fashion_mnist = Recipe(
     name="fashion-mnist",
-    description="Default demo: a small ResNet on Fashion-MNIST, progressive resizing 20 -> 28 px.",
+    description="Default demo: a small ResNet on Fashion-MNIST, 20 -> 28 px, to 92% test top-1 on 2 CPU cores.",
     model="resnet-fmnist",
     dataset="fashion-mnist",
     optimizer=OptimizerSettings(name="sgd", momentum=0.9, nesterov=True, weight_decay=5e-4, label_smoothing=0.1),
     target=Target("top1", 0.92),
+    ema_decay=0.998,
+    val_batch_size=1000,
     phases=(
-        Phase(0, 1, size=20, batch_size=256, lr=(0.08, 0.4), min_scale=0.77),
-        Phase(1, 3, size=24, batch_size=256, lr=(0.4, 0.2), min_scale=0.77),
-        Phase(3, 5, size=28, batch_size=256, lr=(0.2, 0.0), min_scale=0.77),
+        Phase(0, 1, size=20, batch_size=128, lr=(0.2 * PEAK_LR, PEAK_LR), min_scale=1.0),  # warmup
+        Phase(1, 2, size=20, batch_size=128, lr=_decay(1, 2), min_scale=1.0),
+        Phase(2, 4, size=24, batch_size=128, lr=_decay(2, 4), min_scale=1.0),
+        Phase(4, EPOCHS, size=28, batch_size=128, lr=_decay(4, EPOCHS), min_scale=1.0),
     ),
 )
 
