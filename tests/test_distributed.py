@@ -172,9 +172,7 @@ def test_killing_one_rank_stops_the_job_with_a_clear_message(tmp_path):
     pids = worker_pids(launcher.pid)
     assert set(pids) == {0, 1}, pids
     os.kill(pids[1], signal.SIGKILL)
-    killed_at = time.monotonic()
-    _, stderr = launcher.communicate(timeout=120)
-    assert time.monotonic() - killed_at < 60
+    _, stderr = launcher.communicate(timeout=60)  # the bound: the whole job ends within 60 s
     assert launcher.returncode == 3, stderr
     last = stderr.strip().splitlines()[-1]
     assert last.startswith("speedrun: training failed: rank 1") and "SIGKILL" in last, stderr

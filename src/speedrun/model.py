@@ -50,7 +50,6 @@ class SmallResNet(nn.Module):
         in_chans: int = 1,
         num_classes: int = 10,
         norm: type[nn.Module] = nn.BatchNorm2d,
-        head_grid: int = 1,
     ):
         super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(in_chans, widths[0], 3, 1, 1, bias=False), norm(widths[0]), nn.ReLU(inplace=True))
@@ -60,8 +59,8 @@ class SmallResNet(nn.Module):
             blocks += [BasicBlock(w_out, w_out, norm=norm) for _ in range(blocks_per_stage - 1)]
             stages.append(nn.Sequential(*blocks))
         self.stages = nn.Sequential(*stages)
-        self.pool = nn.AdaptiveAvgPool2d(head_grid)
-        self.fc = nn.Linear(widths[-1] * head_grid * head_grid, num_classes)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(widths[-1], num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc(torch.flatten(self.pool(self.stages(self.stem(x))), 1))

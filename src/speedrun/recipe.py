@@ -235,7 +235,7 @@ class Recipe:
                 "epochs": f"{p.start}-{p.end}",
                 "size": p.size,
                 "batch": p.batch_size,
-                "lr": f"{p.lr[0]:g} -> {p.lr[1]:g}" if isinstance(p.lr, tuple) else f"{p.lr:g}",
+                "lr": f"{p.lr[0]:.4g} -> {p.lr[1]:.4g}" if isinstance(p.lr, tuple) else f"{p.lr:.4g}",
                 "min_scale": p.min_scale,
                 "rect_val": p.rect_val,
                 "data": f"{p.copy} px copy" if p.copy else "full size",

@@ -46,7 +46,7 @@ class Tracker:
     # -- console ---------------------------------------------------------------------------
     def print(self, message: str) -> None:
         if self.enabled:
-            self.console.print(message)
+            self.console.print(message, soft_wrap=True)  # a log line stays one line in a file
 
     def start_epoch(self, epoch: int, epochs: int, steps: int, size: int, batch_size: int) -> None:
         """A progress bar for one epoch (only drawn on a terminal)."""
