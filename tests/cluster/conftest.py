@@ -23,12 +23,31 @@ def private_speedrun(tmp_path_factory):
     """A tmux server (TMUX_TMPDIR) and a speedrun home of this test session's own, removed afterwards."""
     d = tmp_path_factory.mktemp("speedrun-env")
     (d / "tmux").mkdir()
-    saved = {k: os.environ.get(k) for k in ("TMUX_TMPDIR", "SPEEDRUN_HOME", "TMUX")}
+    saved = {k: os.environ.get(k) for k in ("TMUX_TMPDIR", "SPEEDRUN_HOME", "TMUX", "SHELL")}
     os.environ["TMUX_TMPDIR"] = str(d / "tmux")
     os.environ["SPEEDRUN_HOME"] = str(d / "home")
     os.environ.pop("TMUX", None)  # tests may run inside someone's tmux
+    # Each session's `shell` window runs $SHELL for a person to attach to. Tests kill sessions
+    # within a second of making them; a bash killed while its .bashrc runs `pyenv init` leaves
+    # pyenv's rehash lock behind, and every later pip install and bash start waits 60 s.
+    os.environ["SHELL"] = "/bin/sh"
+    pyenv_lock = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "shims" / ".pyenv-shim"
+    lock_before = pyenv_lock.exists()
     yield d
     subprocess.run(["tmux", "-L", "speedrun", "kill-server"], capture_output=True)
+    # Commands over ssh start the login shell too: remove a rehash lock these tests orphaned.
+    if not lock_before and pyenv_lock.exists() and not _rehash_running():
+        pyenv_lock.unlink(missing_ok=True)
+
+
+def _rehash_running() -> bool:
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if b"pyenv-rehash" in cmdline.read_bytes():
+                return True
+        except OSError:  # the process ended
+            pass
+    return False
     for k, v in saved.items():
         if v is None:
             os.environ.pop(k, None)
