@@ -10,9 +10,9 @@ def _decay(start: int, end: int) -> tuple[float, float]:
     return (PEAK_LR * (1 - (start - 1) / (EPOCHS - 1)), PEAK_LR * (1 - (end - 1) / (EPOCHS - 1)))
 
 
-# Measured on 2 CPU cores (docs/measurements.md): crosses 92% test top-1 around epoch 8 and ends
-# near 93.3%. Small images first (20 -> 24 -> 28 px: each epoch at 20 px costs about half of one
-# at 28 px); crops only translate (min_scale 1 with 2 px of padding) and flip; the evaluated
+# Measured on 2 CPU cores (docs/measurements.md): crosses 92% test top-1 at epoch 8 and 93% at
+# epoch 13. Small images first (20 -> 24 -> 28 px: an epoch at 20 px costs about 0.6 of one at
+# 28 px); crops only translate (min_scale 1 with 2 px of padding) and flip; the evaluated
 # weights are a moving average, which reaches a given accuracy epochs before the raw weights do.
 fashion_mnist = Recipe(
     name="fashion-mnist",
