@@ -375,8 +375,8 @@ def build_learner(cfg: TrainConfig, ctx: DistContext, source: DataSource) -> Lea
     if recipe.ema_decay is not None:
         from timm.utils import ModelEmaV3
 
-        # Warmup: the average starts short and grows towards ema_decay, so early evaluations are
-        # not dominated by the random initial weights.
+        # Warmup: the decay at step t is min(ema_decay, 1 - (1 + t)^(-2/3)), so early evaluations
+        # are not dominated by the random initial weights; it reaches 0.998 after ~11,000 steps.
         ema = ModelEmaV3(model, decay=recipe.ema_decay, use_warmup=True)
     net = model
     if ctx.distributed:
