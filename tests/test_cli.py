@@ -1,12 +1,8 @@
 """The command line: bad input gives one clear line on stderr and a non-zero exit, never a traceback."""
 import subprocess
-import sys
 
 import pytest
-
-
-def speedrun(*args, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "speedrun", *args], capture_output=True, text=True, cwd=cwd)
+from cli_run import speedrun
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, *expected: str) -> None:

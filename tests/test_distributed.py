@@ -7,13 +7,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from cli_run import speedrun, start, wait_for
 
-from speedrun.data.base import Shard
 from speedrun.engine import DeviceBatches, evaluate
 from speedrun.data.fashion_mnist import FashionMNIST
 from speedrun.dist import DistContext
@@ -48,14 +47,14 @@ def env_one_thread() -> dict:
 
 
 def run_cli(*args, timeout=600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "speedrun", *args], capture_output=True, text=True, timeout=timeout, env=env_one_thread())
+    return speedrun(*args, timeout=timeout, env=env_one_thread())
 
 
 def test_two_processes_equal_one_process_with_the_same_global_batch(tmp_path):
     """Same seed, same global batch (2 x 16 vs 1 x 32): the per-step losses agree within 1e-5
     relative (float32 reduction-order noise; measured 1.2e-7) and the final metrics within one
-    validation image. The LR is kept moderate so that this noise is not amplified by chaos. The model normalises with GroupNorm, whose statistics
-    are per image (BatchNorm's per-device batch statistics differ by design; SyncBatchNorm, which
+    validation image. The LR is kept moderate so that this noise is not amplified by chaos. The
+    model normalises with GroupNorm, whose statistics are per image (BatchNorm's per-device batch statistics differ by design; SyncBatchNorm, which
     would make them equal, is GPU-only in PyTorch)."""
     gn = "resnet-fmnist-tiny-gn"
     one = run_cli("train", "--recipe", str(write_recipe(tmp_path / "one.py", 1, 32, model=gn)), "--device", "cpu",
@@ -136,7 +135,6 @@ def worker_pids(launcher_pid: int) -> dict[int, int]:
             continue
         try:
             env = (entry / "environ").read_bytes().split(b"\0")
-            stat = (entry / "stat").read_text()
         except OSError:
             continue
         variables = dict(v.split(b"=", 1) for v in env if b"=" in v)
@@ -159,16 +157,10 @@ def _descends_from(pid: int, ancestor: int) -> bool:
 def test_killing_one_rank_stops_the_job_with_a_clear_message(tmp_path):
     recipe = write_recipe(tmp_path / "long.py", 2, 32, train=4096, val=256, epochs=50)
     out = tmp_path / "run"
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "speedrun", "train", "--recipe", str(recipe), "--device", "cpu",
-         "--nproc-per-node", "2", "--log-every", "1", "--out", str(out)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_one_thread(),
-    )
-    deadline = time.monotonic() + 300
-    while not (out / "steps.jsonl").exists():  # bounded wait until both ranks are training
-        assert launcher.poll() is None, launcher.communicate()
-        assert time.monotonic() < deadline, "training never started"
-        time.sleep(0.05)
+    launcher = start("train", "--recipe", str(recipe), "--device", "cpu", "--nproc-per-node", "2",
+                     "--log-every", "1", "--out", str(out), env=env_one_thread())
+    wait_for(lambda: (out / "steps.jsonl").exists() or launcher.poll() is not None, 300, "both ranks training")
+    assert launcher.poll() is None, launcher.communicate()
     pids = worker_pids(launcher.pid)
     assert set(pids) == {0, 1}, pids
     os.kill(pids[1], signal.SIGKILL)

@@ -2,36 +2,17 @@
 it leaves in its run directory, resuming after an interruption, and how the loop uses data."""
 import json
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from cli_run import speedrun, start, wait_for
 
 from speedrun import engine
 from speedrun.recipes import BUILTIN
 from speedrun.track import read_jsonl
 
 TINY = BUILTIN["tiny"]
-
-
-def speedrun(*args, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "speedrun", *args], capture_output=True, text=True, **kw)
-
-
-def start(*args) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "speedrun", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def wait_for(predicate, timeout_s: float, what: str):
-    """Poll `predicate` until it holds (a bounded wait for a file, not a sleep as synchronisation)."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")

@@ -77,6 +77,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise SpeedrunError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if args.checkpoint_every < 0:
         raise SpeedrunError(f"--checkpoint-every must be 0 or more, got {args.checkpoint_every}")
+    from speedrun.dist import pick_device
     from speedrun.engine import TrainConfig, check_device_options, train
 
     cfg = TrainConfig(
@@ -98,7 +99,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         bf16_grads=args.bf16_grads,
         process_start=process_start_time(),
     )
-    check_device_options(cfg)
+    check_device_options(cfg, pick_device(cfg.device))
     if args.nproc_per_node:
         if args.data is not None and not Path(args.data).exists():
             raise SpeedrunError(f"data path {args.data!r} does not exist")

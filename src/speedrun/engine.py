@@ -76,8 +76,9 @@ class RunState:
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Run the recipe to its end or its target; return the results (also in results.json)."""
     recipe = cfg.recipe
-    check_device_options(cfg)
-    ctx = init_distributed(pick_device(cfg.device))
+    device_kind = pick_device(cfg.device)
+    check_device_options(cfg, device_kind)
+    ctx = init_distributed(device_kind)
     restore_sigterm = stop_on_sigterm()
     try:
         cfg.out = resolve_run_dir(cfg, ctx)
@@ -279,9 +280,9 @@ class DeviceBatches:
         return x, labels.to(self.device, non_blocking=True)
 
 
-def check_device_options(cfg: TrainConfig) -> None:
-    """Options that only work on GPUs, refused up front on the CPU."""
-    if pick_device(cfg.device) != "cuda":
+def check_device_options(cfg: TrainConfig, device_kind: str) -> None:
+    """Options that only work on GPUs, refused up front on the CPU (`device_kind`: pick_device's answer)."""
+    if device_kind != "cuda":
         if cfg.sync_bn:
             raise SpeedrunError("--sync-bn needs CUDA: PyTorch's SyncBatchNorm runs on GPUs only")
         if cfg.bf16_grads:

@@ -150,15 +150,17 @@ def _append_jsonl(path: Path, record: dict[str, Any]) -> None:
 
 def _truncate_jsonl(path: Path, keep) -> None:
     if path.exists():
-        kept = [r for r in read_jsonl(path) if keep(r)]
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        os.replace(tmp, path)
+        _write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in read_jsonl(path) if keep(r)))
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
+    _write_text_atomic(path, json.dumps(data, indent=2) + "\n")
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    """Readers see the old file or the new one, never half of one (temporary file, then rename)."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.write_text(text)
     os.replace(tmp, path)
 
 

@@ -38,6 +38,11 @@ def private_speedrun(tmp_path_factory):
     # Commands over ssh start the login shell too: remove a rehash lock these tests orphaned.
     if not lock_before and pyenv_lock.exists() and not _rehash_running():
         pyenv_lock.unlink(missing_ok=True)
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 def _rehash_running() -> bool:
@@ -48,11 +53,6 @@ def _rehash_running() -> bool:
         except OSError:  # the process ended
             pass
     return False
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
 
 
 @pytest.fixture

@@ -23,9 +23,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from speedrun.data.fashion_mnist import DEBIAN_DIR as FMNIST_DIR  # where dataset-fashion-mnist puts the files
 from speedrun.data.fashion_mnist import read_idx  # the one IDX reader; re-exported here
-
-FMNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 FMNIST_CLASSES = ("t-shirt", "trouser", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag", "ankle-boot")
 
 
