@@ -23,7 +23,9 @@ def run_once(out: Path, device: str | None) -> dict:
     cmd = [sys.executable, "-m", "speedrun", "train", "--out", str(out)]
     if device:
         cmd += ["--device", device]
-    subprocess.run(cmd, check=True)
+    code = subprocess.run(cmd).returncode
+    if code != 0:
+        sys.exit(f"main_job: `speedrun {' '.join(cmd[3:])}` exited with status {code} (its message is above)")
     return json.loads((out / "results.json").read_text())
 
 
