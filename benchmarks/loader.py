@@ -9,10 +9,12 @@ number of worker processes and batch size, and do RandomResizedCrop(size) + hori
 Each is timed over `--batches` batches after `--warmup` batches, in images/s; the defaults make
 the warm-up longer than the loader's whole prefetch queue (workers x 2 batches) and the timed
 window several times longer, so the figure is the steady state, not a drained queue. The ratio
-is speedrun / torchvision. A third row times speedrun reading the resized copy the 2018 recipes
-use at that size (160 px copy for crops <= 128 px, 352 px copy above), as training would. Also: `prepare` throughput (images/s and per
-core) making 160 and 352 px copies, and optionally (`--train`, CUDA) training images/s of a
-model fed by the speedrun loader, next to the same model fed by one batch kept on the GPU.
+is speedrun / torchvision. With DALI installed, speedrun with `--loader dali` (DALI's CPU
+decoder, on as many threads as there are workers) is timed too. A last row times speedrun
+reading the resized copy the 2018 recipes use at that size (160 px copy for crops <= 128 px,
+352 px copy above), as training would. Also: `prepare` throughput (images/s and per core) making
+160 and 352 px copies, and optionally (`--train`, CUDA) training images/s of a model fed by the
+speedrun loader, next to the same model fed by one batch kept on the GPU.
 
     python benchmarks/loader.py                      # generates ~3,000 images in a temp dir
     python benchmarks/loader.py --images 20000 --sizes 128 224 --train resnet50 --json out.json
@@ -51,12 +53,15 @@ def _enough_epochs(stream_factory):
 
 
 def bench_speedrun(tree: Path, size: int, batch: int, workers: int, warmup: int, batches: int,
-                   copy: int | None = None, copies_dir: Path | None = None) -> float:
+                   copy: int | None = None, copies_dir: Path | None = None, dali: bool = False) -> float:
+    """Images/s of speedrun's train stream on the CPU: PIL worker processes, or DALI's CPU decoder
+    on `workers` threads (`dali`)."""
     from speedrun.data.base import Shard
     from speedrun.data.imagefolder import ImageFolderSource
     from speedrun.recipe import Phase
 
-    source = ImageFolderSource(tree, workers=workers, pin_memory=False, copies_dir=copies_dir)
+    source = ImageFolderSource(tree, workers=workers, pin_memory=False, copies_dir=copies_dir,
+                               device=torch.device("cpu"), dali=dali)
     stream = source.train_stream(Phase(0, 1, size=size, batch_size=batch, lr=0.1, copy=copy), Shard(), seed=0)
 
     def epoch(e):
@@ -174,6 +179,8 @@ def main() -> None:
     warmup = args.warmup if args.warmup is not None else 2 * args.workers + 4
     batches = args.batches if args.batches is not None else max(30, 6 * args.workers)
 
+    from speedrun.data.dali import installed as dali_installed
+
     results: dict = {"workers": args.workers, "batch": args.batch, "cpu_cores": os.cpu_count()}
     tmp = None
     tree = args.tree
@@ -199,6 +206,12 @@ def main() -> None:
             print(f"{size:4d} px  full size: speedrun {ours:8,.0f} images/s   torchvision {theirs:8,.0f} images/s   "
                   f"ratio {ours / theirs:.2f}x   ({args.workers} workers, batch {args.batch}, "
                   f"{batches} timed batches)", flush=True)
+            if dali_installed():
+                rate = bench_speedrun(tree, size, args.batch, args.workers, warmup, batches, dali=True)
+                row["speedrun_dali_cpu_images_per_s"] = round(rate, 1)
+                row["dali_cpu_ratio"] = round(rate / theirs, 2)
+                print(f"{size:4d} px  full size: speedrun --loader dali (DALI's CPU decoder, {args.workers} threads) "
+                      f"{rate:8,.0f} images/s   ratio {rate / theirs:.2f}x", flush=True)
         if not args.no_prepare:
             pr = bench_prepare(tree, copies, args.workers, [160, 352])
             results["prepare"] = pr

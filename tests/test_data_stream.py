@@ -105,15 +105,14 @@ def test_build_source_dispatches_to_image_folders(tree):
     assert isinstance(source, ImageFolderSource) and source.num_train == 12
 
 
-def test_dali_requested_without_dali_or_cuda_falls_back_to_the_cpu_loader(tree, caplog, monkeypatch):
-    import logging
-
+def test_the_dali_loader_without_dali_is_a_clear_error_and_auto_means_pil_on_the_cpu(tree, monkeypatch):
     from speedrun.data import dali
     from speedrun.data.imagefolder import ImageFolderTrainStream
+    from speedrun.errors import SpeedrunError
 
-    monkeypatch.setenv("SPEEDRUN_DALI", "0")
-    assert dali.available() is False
-    source = ImageFolderSource(tree, workers=0, dali=True)
-    with caplog.at_level(logging.WARNING, logger="speedrun.data"):
-        stream = source.train_stream(Phase(0, 1, size=32, batch_size=4, lr=0.1), Shard(), 0)
-    assert isinstance(stream, ImageFolderTrainStream) and "DALI requested but not usable" in caplog.text
+    monkeypatch.setattr(dali, "installed", lambda: False)
+    with pytest.raises(SpeedrunError, match="DALI is not installed"):
+        ImageFolderSource(tree, workers=0, device=torch.device("cpu"), dali=True)
+    source = ImageFolderSource(tree, workers=0, device=torch.device("cpu"))
+    assert source.loader == "pil"
+    assert isinstance(source.train_stream(Phase(0, 1, size=32, batch_size=4, lr=0.1), Shard(), 0), ImageFolderTrainStream)

@@ -11,6 +11,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from speedrun.data import LOADERS
 from speedrun.errors import SpeedrunError, TrainingFailed
 from speedrun.recipe import Recipe, RecipeError, Target, load_recipe
 
@@ -39,6 +40,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--deterministic", action="store_true", help="deterministic kernels: the same numbers run after run")
     p.add_argument("--workers", type=int, default=None, metavar="N", help="decode processes per device for image folders")
     p.add_argument("--copies", default=None, metavar="DIR", help="where an image folder's resized copies are (default: $SPEEDRUN_COPIES, else DATA-sz)")
+    p.add_argument("--loader", choices=LOADERS, default="auto",
+                   help="image-folder training decode: PIL worker processes, or NVIDIA DALI on the training device "
+                   "(needs speedrun[dali]); auto: DALI on CUDA when installed, else PIL")
     p.add_argument("--log-every", type=int, default=50, metavar="STEPS", help="steps between train-loss records (default 50)")
     p.add_argument("--checkpoint-every", type=int, default=1, metavar="EPOCHS", help="epochs between checkpoints, 0 for none (default 1)")
     p.add_argument("--nproc-per-node", type=int, default=None, metavar="N", help="start N processes on this machine through torchrun")
@@ -92,6 +96,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         deterministic=args.deterministic,
         workers=args.workers,
         copies=args.copies,
+        loader=args.loader,
         log_every=args.log_every,
         checkpoint_every=args.checkpoint_every,
         sync_bn=args.sync_bn,

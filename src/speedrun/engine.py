@@ -50,6 +50,7 @@ class TrainConfig:
     deterministic: bool = False
     workers: int | None = None  # decode processes per device (image folders)
     copies: str | None = None  # where an image folder's resized copies are (None: <data>-sz)
+    loader: str = "auto"  # image-folder training decode: "auto", "pil" or "dali" (data.build_source)
     log_every: int = 50  # steps between train-loss records
     checkpoint_every: int = 1  # epochs between checkpoints (0: never)
     sync_bn: bool = False  # synchronise BatchNorm statistics across ranks
@@ -83,7 +84,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     try:
         cfg.out = resolve_run_dir(cfg, ctx)
         configure_determinism(cfg, ctx)
-        source = build_source(recipe, cfg.data, ctx.device, cfg.workers, cfg.copies)
+        source = build_source(recipe, cfg.data, ctx.device, cfg.workers, cfg.copies, cfg.loader)
         learner = build_learner(cfg, ctx, source)
         state = RunState()
         if cfg.resume:
@@ -106,9 +107,11 @@ def run_epochs(
     recipe = cfg.recipe
     batches = DeviceBatches(source, ctx, learner.channels_last)
     evals = read_jsonl(cfg.out / "metrics.jsonl") if cfg.resume else []
+    loader = getattr(source, "loader", None)  # image folders: what decodes training images
     tracker.print(
         f"speedrun {speedrun.__version__}: recipe {recipe.name}, model {recipe.model}, "
-        f"{source.num_train} train / {source.num_val} val images, {ctx.world_size} x {ctx.device.type}, "
+        f"{source.num_train} train / {source.num_val} val images{f' ({loader} loader)' if loader else ''}, "
+        f"{ctx.world_size} x {ctx.device.type}, "
         f"{'bf16' if learner.use_bf16 else 'fp32'}, LR x{recipe.lr_scale(ctx.world_size):g} for world size "
         f"{ctx.world_size}, target {recipe.target or 'none'}, out {cfg.out}"
     )
@@ -152,6 +155,7 @@ def run_epochs(
         results = build_results(cfg, ctx, state, evals, status, clock.session_start)
         bad = getattr(source, "bad_images", None)  # image folders count files they had to skip
         results["skipped_images"] = {"files": len(bad.files), "failures": bad.count} if bad is not None else None
+        results["loader"] = getattr(source, "loader", None)
         tracker.write_results(results)
         tracker.plot(evals, asdict(recipe.target) if recipe.target else None)
     return results

@@ -16,15 +16,29 @@ if TYPE_CHECKING:
     from speedrun.recipe import Recipe
 
 
+LOADERS = ("auto", "pil", "dali")  # how image files are decoded for training; see docs/data.md
+
+
 def build_source(
-    recipe: Recipe, path: str | None, device: torch.device, workers: int | None = None, copies: str | None = None
+    recipe: Recipe,
+    path: str | None,
+    device: torch.device,
+    workers: int | None = None,
+    copies: str | None = None,
+    loader: str = "auto",
 ) -> DataSource:
     """The data source for `recipe.dataset`, reading from `path` (None: the source's default).
 
     `workers` is the number of decode processes per device for sources that decode files
     (None: chosen from the machine's cores); `copies` is where an image folder's resized copies
-    are (None: $SPEEDRUN_COPIES, else <path>-sz; see docs/data.md).
+    are (None: $SPEEDRUN_COPIES, else <path>-sz; see docs/data.md). `loader` decodes an image
+    folder's training images: "pil" in worker processes, "dali" with NVIDIA DALI on `device`,
+    "auto" DALI on CUDA when it is installed, else PIL.
     """
+    if loader not in LOADERS:
+        raise SpeedrunError(f"unknown loader {loader!r} (choose from {', '.join(LOADERS)})")
+    if loader != "auto" and recipe.dataset != "imagefolder":
+        raise SpeedrunError(f"--loader {loader} applies to image folders; recipe {recipe.name!r} reads {recipe.dataset}")
     if recipe.dataset == "fashion-mnist":
         from speedrun.data.fashion_mnist import FashionMNIST
 
@@ -44,5 +58,7 @@ def build_source(
             train_examples=recipe.train_examples,
             val_examples=recipe.val_examples,
             copies_dir=copies,
+            device=device,
+            dali={"auto": None, "pil": False, "dali": True}[loader],
         )
     raise SpeedrunError(f"unknown dataset {recipe.dataset!r} (choose from fashion-mnist, imagefolder, synthetic)")

@@ -266,8 +266,9 @@ class ImageFolderSource:
     path: the tree's root. workers, pin_memory, prefetch, draft: see `LoaderOptions` (None:
     chosen for this machine). train_examples / val_examples: a fixed, seeded sample of that many
     images across all classes (the same for every run). copies_dir: see the module
-    docstring. dali: decode training batches on the GPU with NVIDIA DALI (`data.dali`); None
-    picks it when it is installed and CUDA is available.
+    docstring. device: the training device (None: CUDA when available). dali: decode training
+    batches with NVIDIA DALI (`data.dali`) on that device, True even on the CPU, False never;
+    None picks it when it is installed and the device is CUDA.
     """
 
     channels = 3
@@ -284,16 +285,24 @@ class ImageFolderSource:
         pin_memory: bool | None = None,
         prefetch: int = 2,
         draft: bool = True,
+        device: torch.device | None = None,
         dali: bool | None = None,
     ):
         self.root = Path(path).expanduser()
+        self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.options = LoaderOptions(
             workers=default_workers() if workers is None else int(workers),
-            pin_memory=torch.cuda.is_available() if pin_memory is None else bool(pin_memory),
+            pin_memory=self.device.type == "cuda" if pin_memory is None else bool(pin_memory),
             prefetch=prefetch,
             draft=draft,
         )
         self.train_examples, self.val_examples = train_examples, val_examples
+        if dali:
+            from speedrun.data.dali import installed
+
+            if not installed():
+                raise SpeedrunError("the DALI loader was asked for, but NVIDIA DALI is not installed "
+                                    "(pip install 'speedrun[dali]')")
         self.dali = dali
         copies = copies_dir or os.environ.get("SPEEDRUN_COPIES") or f"{self.root.resolve()}-sz"
         self.copies_dir = Path(copies).expanduser()
@@ -350,20 +359,30 @@ class ImageFolderSource:
     def train_stream(self, phase: Phase, shard: Shard, seed: int) -> ImageFolderTrainStream:
         copy, _ = self._resolve(phase.copy)
         self._val_copy = copy
-        if self.dali or self.dali is None:
-            from speedrun.data import dali
+        if self._use_dali():
+            from speedrun.data.dali import DaliTrainStream
 
-            if dali.available():
-                try:
-                    return dali.DaliTrainStream(self.copy_root(copy), self._train_split(copy), phase.size,
-                                                phase.min_scale, shard, seed, phase.batch_size)
-                except Exception as e:  # optional extra: never worse than the CPU loader
-                    log.warning("DALI pipeline failed (%s: %s); decoding on the CPU", type(e).__name__, e)
-            elif self.dali:
-                log.warning("DALI requested but not usable (not installed, no CUDA, or SPEEDRUN_DALI=0); decoding on the CPU")
+            try:
+                return DaliTrainStream(self.copy_root(copy), self._train_split(copy), phase.size, phase.min_scale,
+                                       shard, seed, phase.batch_size, self.device, self.options.workers or 1,
+                                       self.bad_images)
+            except Exception as e:  # optional extra: never worse than the PIL loader
+                log.warning("DALI pipeline failed (%s: %s); decoding with PIL", type(e).__name__, e)
         dataset = _TrainDecoder(self.copy_root(copy), self._train_split(copy), phase.size, phase.min_scale,
                                 seed, self.options.draft)
         return ImageFolderTrainStream(dataset, shard, seed, phase.batch_size, self.options, self.bad_images)
+
+    @property
+    def loader(self) -> str:
+        """What decodes training images: "dali" or "pil" (see the `dali` argument)."""
+        return "dali" if self._use_dali() else "pil"
+
+    def _use_dali(self) -> bool:
+        if self.dali is None:
+            from speedrun.data.dali import installed
+
+            return self.device.type == "cuda" and installed()
+        return self.dali
 
     def val_plan(self, size: int, batch_size: int, rect: bool) -> list[ValBatch]:
         """Every validation batch (all ranks), in order; see `data.rect`."""
