@@ -131,7 +131,7 @@ def run_epochs(
             last = epoch == recipe.epochs - 1
             if (epoch + 1) % recipe.eval_every == 0 or last:
                 metrics = evaluate(learner.eval_net, source, phase.size, recipe.val_batch_size or phase.batch_size,
-                                   phase.rect_val, batches, learner.use_bf16)
+                                   phase.rect_val, batches, learner.use_bf16, recipe.eval_flip)
                 # Evaluation time counts towards time-to-target, as in the 2018 record's clock.
                 state.train_s = clock.train_s()
                 evals.append(note_evaluation(recipe, phase, epoch, metrics, speed, state, tracker))
@@ -422,18 +422,22 @@ def train_step(
 
 @torch.no_grad()
 def evaluate(
-    net: nn.Module, source: DataSource, size: int, batch_size: int, rect: bool, batches: DeviceBatches, use_bf16: bool
+    net: nn.Module, source: DataSource, size: int, batch_size: int, rect: bool, batches: DeviceBatches, use_bf16: bool,
+    flip: bool = False,
 ) -> dict[str, float]:
     """Loss, top-1 and top-5 over the whole validation split; each rank evaluates its share and
-    the sums are reduced, so every sample counts exactly once whatever the world size."""
+    the sums are reduced, so every sample counts exactly once whatever the world size. `flip`:
+    the logits are the mean of the image's and its horizontal mirror's (twice the compute)."""
     net.eval()
     ctx = batches.ctx
     sums = torch.zeros(4, dtype=torch.float64, device=ctx.device)  # loss, correct@1, correct@5, count
     for images, labels in source.val_batches(size, batch_size, rect, ctx.shard):
         x, y = batches.to_device(images, labels)
         with torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=use_bf16):
-            logits = net(x)
-        sums += count_correct(logits.float(), y)
+            logits = net(x).float()
+            if flip:
+                logits = (logits + net(x.flip(3)).float()) / 2
+        sums += count_correct(logits, y)
     all_reduce_sum(sums, ctx)
     loss, top1, top5, count = sums.tolist()
     if count == 0:

@@ -119,6 +119,7 @@ class Recipe:
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
     target: Target | None = None
     eval_every: int = 1  # evaluate every k epochs (and always after the last one)
+    eval_flip: bool = False  # test-time augmentation: average the logits of each image and its mirror
     ema_decay: float | None = None  # evaluate and save a moving average of the weights (per step)
     val_batch_size: int | None = None  # per device; defaults to the phase's batch size
     train_examples: int | None = None  # use only the first N training examples (quick runs)
