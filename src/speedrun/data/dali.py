@@ -34,6 +34,7 @@ from PIL import Image
 
 from speedrun.data.base import Batch, Shard, epoch_permutation, rank_indices
 from speedrun.data.index import Split
+from speedrun.data.imagefolder import BadImages, failure_reason
 from speedrun.errors import SpeedrunError
 
 log = logging.getLogger("speedrun.data")
@@ -73,7 +74,7 @@ def _undecodable(path: Path) -> str | None:
         with Image.open(path) as img:
             img.load()
     except Exception as e:  # any failure is the answer
-        return f"{type(e).__name__}: {e}".splitlines()[0][:200]
+        return failure_reason(e)
     return None
 
 
@@ -85,7 +86,7 @@ class DaliTrainStream:
     """
 
     def __init__(self, root: Path, split: Split, size: int, min_scale: float, shard: Shard, seed: int,
-                 batch_size: int, device: torch.device, threads: int, bad):
+                 batch_size: int, device: torch.device, threads: int, bad: BadImages):
         self.root, self.split, self.size, self.min_scale = root, split, size, min_scale
         self.shard, self.seed, self.threads, self.bad = shard, seed, max(1, threads), bad
         self.batch_size, self.epoch = batch_size, 0

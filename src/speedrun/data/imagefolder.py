@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, get_worker_info
 
-from speedrun.data.base import Batch, Shard, epoch_permutation, rank_indices, split_batches_contiguously
+from speedrun.data.base import Batch, Shard, TrainStream, epoch_permutation, rank_indices, split_batches_contiguously
 from speedrun.data.index import Index, Split, load_index
 from speedrun.data.rect import ValBatch, rect_plan, resize_for, square_plan
 from speedrun.data.transforms import decode_eval, decode_train
@@ -81,7 +81,8 @@ def _batch_buffer(shape: tuple[int, ...]) -> torch.Tensor:
     return buf.share_memory_() if get_worker_info() is not None else buf
 
 
-def _reason(e: BaseException) -> str:
+def failure_reason(e: BaseException) -> str:
+    """A decode failure in one short line, for logs and reports."""
     return f"{type(e).__name__}: {e}".splitlines()[0][:200]
 
 
@@ -115,7 +116,7 @@ class _TrainDecoder(torch.utils.data.Dataset):
                 try:
                     decode_train(path, size, self.min_scale, rng, self.draft, out=pixels[i])
                 except Exception as e:  # any decode failure: count it, use another sample
-                    bad.append((path, _reason(e)))
+                    bad.append((path, failure_reason(e)))
                     continue
                 labels[i] = int(self.split.labels[r])
                 break
@@ -147,7 +148,7 @@ class _EvalDecoder(torch.utils.data.Dataset):
             try:
                 decode_eval(path, self.resize, height, width, self.draft, out=pixels[kept])
             except Exception as e:  # left out of the metrics, counted and logged
-                bad.append((path, _reason(e)))
+                bad.append((path, failure_reason(e)))
                 continue
             labels[kept] = int(self.split.labels[row])
             kept += 1
@@ -356,7 +357,7 @@ class ImageFolderSource:
 
     # -- DataSource ------------------------------------------------------------------------
 
-    def train_stream(self, phase: Phase, shard: Shard, seed: int) -> ImageFolderTrainStream:
+    def train_stream(self, phase: Phase, shard: Shard, seed: int) -> TrainStream:
         copy, _ = self._resolve(phase.copy)
         self._val_copy = copy
         if self._use_dali():
@@ -378,6 +379,7 @@ class ImageFolderSource:
         return "dali" if self._use_dali() else "pil"
 
     def _use_dali(self) -> bool:
+        """True to decode training batches with DALI: as asked, or in auto mode on CUDA when installed."""
         if self.dali is None:
             from speedrun.data.dali import installed
 
