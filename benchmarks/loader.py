@@ -53,15 +53,15 @@ def _enough_epochs(stream_factory):
 
 
 def bench_speedrun(tree: Path, size: int, batch: int, workers: int, warmup: int, batches: int,
-                   copy: int | None = None, copies_dir: Path | None = None, dali: bool = False) -> float:
+                   copy: int | None = None, copies_dir: Path | None = None, loader: str = "pil") -> float:
     """Images/s of speedrun's train stream on the CPU: PIL worker processes, or DALI's CPU decoder
-    on `workers` threads (`dali`)."""
+    on `workers` threads (`loader="dali"`)."""
     from speedrun.data.base import Shard
     from speedrun.data.imagefolder import ImageFolderSource
     from speedrun.recipe import Phase
 
     source = ImageFolderSource(tree, workers=workers, pin_memory=False, copies_dir=copies_dir,
-                               device=torch.device("cpu"), dali=dali)
+                               device=torch.device("cpu"), loader=loader)
     stream = source.train_stream(Phase(0, 1, size=size, batch_size=batch, lr=0.1, copy=copy), Shard(), seed=0)
 
     def epoch(e):
@@ -207,7 +207,7 @@ def main() -> None:
                   f"ratio {ours / theirs:.2f}x   ({args.workers} workers, batch {args.batch}, "
                   f"{batches} timed batches)", flush=True)
             if dali_installed():
-                rate = bench_speedrun(tree, size, args.batch, args.workers, warmup, batches, dali=True)
+                rate = bench_speedrun(tree, size, args.batch, args.workers, warmup, batches, loader="dali")
                 row["speedrun_dali_cpu_images_per_s"] = round(rate, 1)
                 row["dali_cpu_ratio"] = round(rate / theirs, 2)
                 print(f"{size:4d} px  full size: speedrun --loader dali (DALI's CPU decoder, {args.workers} threads) "

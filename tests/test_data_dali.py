@@ -64,7 +64,7 @@ def _expected(source: ImageFolderSource, shard: Shard, epoch: int, batch: int) -
 
 
 def test_batches_follow_the_epoch_order_and_the_rank_slice(tree):
-    source = ImageFolderSource(tree, workers=2, device=CPU, dali=True)
+    source = ImageFolderSource(tree, workers=2, device=CPU, loader="dali")
     for shard in (Shard(0, 2), Shard(1, 2)):
         stream = source.train_stream(Phase(0, 1, size=32, batch_size=4, lr=0.1), shard, seed=0)
         assert isinstance(stream, DaliTrainStream) and len(stream) == 3
@@ -83,7 +83,7 @@ def test_batches_follow_the_epoch_order_and_the_rank_slice(tree):
 
 
 def test_batch_size_changes_and_an_epoch_left_midway(tree):
-    source = ImageFolderSource(tree, workers=1, device=CPU, dali=True)
+    source = ImageFolderSource(tree, workers=1, device=CPU, loader="dali")
     stream = source.train_stream(Phase(0, 1, size=24, batch_size=4, lr=0.1), Shard(), seed=0)
     stream.set_epoch(0)
     next(iter(stream))  # the loop stops mid-epoch (a target reached): the next epoch still works
@@ -97,7 +97,7 @@ def test_batch_size_changes_and_an_epoch_left_midway(tree):
 
 
 def test_bad_files_are_counted_logged_and_replaced(tree, caplog):
-    source = ImageFolderSource(tree, workers=1, device=CPU, dali=True)
+    source = ImageFolderSource(tree, workers=1, device=CPU, loader="dali")
     truncated, vanished = tree / "train/c0/i01.JPEG", tree / "train/c2/i05.JPEG"
     data = truncated.read_bytes()
     truncated.write_bytes(data[: len(data) // 2])  # the header still reads: found only at decode

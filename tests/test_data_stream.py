@@ -112,7 +112,7 @@ def test_the_dali_loader_without_dali_is_a_clear_error_and_auto_means_pil_on_the
 
     monkeypatch.setattr(dali, "installed", lambda: False)
     with pytest.raises(SpeedrunError, match="DALI is not installed"):
-        ImageFolderSource(tree, workers=0, device=torch.device("cpu"), dali=True)
+        ImageFolderSource(tree, workers=0, device=torch.device("cpu"), loader="dali")
     source = ImageFolderSource(tree, workers=0, device=torch.device("cpu"))
     assert source.loader == "pil"
     assert isinstance(source.train_stream(Phase(0, 1, size=32, batch_size=4, lr=0.1), Shard(), 0), ImageFolderTrainStream)

@@ -155,7 +155,7 @@ def run_epochs(
         results = build_results(cfg, ctx, state, evals, status, clock.session_start)
         bad = getattr(source, "bad_images", None)  # image folders count files they had to skip
         results["skipped_images"] = {"files": len(bad.files), "failures": bad.count} if bad is not None else None
-        results["loader"] = getattr(source, "loader", None)
+        results["loader"] = loader
         tracker.write_results(results)
         tracker.plot(evals, asdict(recipe.target) if recipe.target else None)
     return results

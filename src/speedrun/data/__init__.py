@@ -35,8 +35,6 @@ def build_source(
     folder's training images: "pil" in worker processes, "dali" with NVIDIA DALI on `device`,
     "auto" DALI on CUDA when it is installed, else PIL.
     """
-    if loader not in LOADERS:
-        raise SpeedrunError(f"unknown loader {loader!r} (choose from {', '.join(LOADERS)})")
     if loader != "auto" and recipe.dataset != "imagefolder":
         raise SpeedrunError(f"--loader {loader} applies to image folders; recipe {recipe.name!r} reads {recipe.dataset}")
     if recipe.dataset == "fashion-mnist":
@@ -59,6 +57,6 @@ def build_source(
             val_examples=recipe.val_examples,
             copies_dir=copies,
             device=device,
-            dali={"auto": None, "pil": False, "dali": True}[loader],
+            loader=loader,
         )
     raise SpeedrunError(f"unknown dataset {recipe.dataset!r} (choose from fashion-mnist, imagefolder, synthetic)")

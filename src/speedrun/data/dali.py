@@ -195,8 +195,7 @@ class DaliTrainStream:
             except RuntimeError as e:  # a file failed to decode; the pipeline is dead after that
                 self._record_failure(batches[done], e)
                 batches = batches[:done] + [self._skip_bad(b) for b in batches[done:]]
-                self._build(self._max_batch)
-                self._start(batches[done:])
+                self._start(batches[done:])  # the pipeline is "dirty": built anew
                 continue
             done += 1
             yield self._to_torch(images, labels)

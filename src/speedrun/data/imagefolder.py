@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, get_worker_info
 
+from speedrun.data import LOADERS
 from speedrun.data.base import Batch, Shard, TrainStream, epoch_permutation, rank_indices, split_batches_contiguously
 from speedrun.data.index import Index, Split, load_index
 from speedrun.data.rect import ValBatch, rect_plan, resize_for, square_plan
@@ -267,9 +268,9 @@ class ImageFolderSource:
     path: the tree's root. workers, pin_memory, prefetch, draft: see `LoaderOptions` (None:
     chosen for this machine). train_examples / val_examples: a fixed, seeded sample of that many
     images across all classes (the same for every run). copies_dir: see the module
-    docstring. device: the training device (None: CUDA when available). dali: decode training
-    batches with NVIDIA DALI (`data.dali`) on that device, True even on the CPU, False never;
-    None picks it when it is installed and the device is CUDA.
+    docstring. device: the training device (None: CUDA when available). loader: what decodes
+    training batches, one of `data.LOADERS`: "pil" worker processes, "dali" NVIDIA DALI
+    (`data.dali`) on `device`, "auto" DALI when it is installed and the device is CUDA, else PIL.
     """
 
     channels = 3
@@ -287,7 +288,7 @@ class ImageFolderSource:
         prefetch: int = 2,
         draft: bool = True,
         device: torch.device | None = None,
-        dali: bool | None = None,
+        loader: str = "auto",
     ):
         self.root = Path(path).expanduser()
         self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -298,13 +299,15 @@ class ImageFolderSource:
             draft=draft,
         )
         self.train_examples, self.val_examples = train_examples, val_examples
-        if dali:
-            from speedrun.data.dali import installed
+        if loader not in LOADERS:
+            raise SpeedrunError(f"unknown loader {loader!r} (choose from {', '.join(LOADERS)})")
+        from speedrun.data.dali import installed
 
-            if not installed():
-                raise SpeedrunError("the DALI loader was asked for, but NVIDIA DALI is not installed "
-                                    "(pip install 'speedrun[dali]')")
-        self.dali = dali
+        if loader == "dali" and not installed():
+            raise SpeedrunError("the DALI loader was asked for, but NVIDIA DALI is not installed "
+                                "(pip install 'speedrun[dali]')")
+        use_dali = loader == "dali" or (loader == "auto" and self.device.type == "cuda" and installed())
+        self.loader = "dali" if use_dali else "pil"  # what decodes training batches here
         copies = copies_dir or os.environ.get("SPEEDRUN_COPIES") or f"{self.root.resolve()}-sz"
         self.copies_dir = Path(copies).expanduser()
         self.bad_images = BadImages()
@@ -360,7 +363,7 @@ class ImageFolderSource:
     def train_stream(self, phase: Phase, shard: Shard, seed: int) -> TrainStream:
         copy, _ = self._resolve(phase.copy)
         self._val_copy = copy
-        if self._use_dali():
+        if self.loader == "dali":
             from speedrun.data.dali import DaliTrainStream
 
             try:
@@ -372,19 +375,6 @@ class ImageFolderSource:
         dataset = _TrainDecoder(self.copy_root(copy), self._train_split(copy), phase.size, phase.min_scale,
                                 seed, self.options.draft)
         return ImageFolderTrainStream(dataset, shard, seed, phase.batch_size, self.options, self.bad_images)
-
-    @property
-    def loader(self) -> str:
-        """What decodes training images: "dali" or "pil" (see the `dali` argument)."""
-        return "dali" if self._use_dali() else "pil"
-
-    def _use_dali(self) -> bool:
-        """True to decode training batches with DALI: as asked, or in auto mode on CUDA when installed."""
-        if self.dali is None:
-            from speedrun.data.dali import installed
-
-            return self.device.type == "cuda" and installed()
-        return self.dali
 
     def val_plan(self, size: int, batch_size: int, rect: bool) -> list[ValBatch]:
         """Every validation batch (all ranks), in order; see `data.rect`."""
