@@ -45,7 +45,7 @@ def step_time(rank: int, world: int, args: argparse.Namespace, port: int, result
         if cuda:
             torch.cuda.synchronize(device)
         start = time.perf_counter()
-        train_step(net, optimizer, criterion, x, y, use_bf16=cuda)
+        train_step(net, optimizer, criterion, x, y, "bf16" if cuda else "fp32")
         if cuda:
             torch.cuda.synchronize(device)
         if i >= args.warmup:

@@ -21,7 +21,7 @@ import time
 import torch
 from torch import nn
 
-from speedrun.engine import train_step, uses_bf16
+from speedrun.engine import choose_precision, device_capability, train_step
 from speedrun.model import build_model
 from speedrun.optim import build_optimizer
 from speedrun.recipe import OptimizerSettings
@@ -38,7 +38,8 @@ def images_per_second(model_name: str, size: int, batch: int, device: torch.devi
     """Steady-state training images/s: `warmup` untimed steps (cuDNN autotuning, compilation),
     then `steps` timed ones."""
     torch.manual_seed(0)
-    bf16 = uses_bf16(precision, device)
+    precision = choose_precision(precision, device.type, device_capability(device))
+    scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
     layout = torch.channels_last if channels_last else torch.contiguous_format
     model = build_model(model_name, num_classes=1000, in_chans=3).to(device, memory_format=layout)
     optimizer = build_optimizer(model, OptimizerSettings(weight_decay=1e-4), lr=0.01)
@@ -47,11 +48,11 @@ def images_per_second(model_name: str, size: int, batch: int, device: torch.devi
     y = torch.randint(0, 1000, (batch,), device=device)
     criterion = nn.CrossEntropyLoss()
     for _ in range(warmup):
-        train_step(net, optimizer, criterion, x, y, bf16)
+        train_step(net, optimizer, criterion, x, y, precision, scaler)
     _sync(device)
     start = time.perf_counter()
     for _ in range(steps):
-        train_step(net, optimizer, criterion, x, y, bf16)
+        train_step(net, optimizer, criterion, x, y, precision, scaler)
     _sync(device)
     return steps * batch / (time.perf_counter() - start)
 

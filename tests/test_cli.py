@@ -86,3 +86,12 @@ def test_every_command_has_help():
     for command in ([], ["train"], ["recipes"]):
         proc = speedrun(*command, "--help")
         assert proc.returncode == 0 and "usage:" in proc.stdout
+
+
+def test_an_image_folder_with_a_fashion_mnist_recipe_names_the_recipes_that_read_one(tmp_path):
+    from test_data_helpers import make_tree
+
+    tree = make_tree(tmp_path / "tree", classes=2, train_per_class=1, val_per_class=1)
+    proc = speedrun("train", "--data", str(tree), "--out", str(tmp_path / "r"))
+    assert_one_line_error(proc, "is an image folder", "imagenet-1x8", "dataset=\"imagefolder\"")
+    assert "dataset-fashion-mnist" not in proc.stderr

@@ -30,35 +30,62 @@ def vgg_style_fixed_head() -> nn.Module:
     )
 
 
-@pytest.mark.parametrize("factory, reference", [(old_style_resnet18, REFERENCE), (vgg_style_fixed_head, REFERENCE)])
-def test_size_agnostic_conversion_runs_any_size(factory, reference):
+@pytest.mark.parametrize("factory", [old_style_resnet18, vgg_style_fixed_head])
+def test_size_agnostic_conversion_runs_any_size(factory):
     torch.manual_seed(0)
     model = factory().eval()
     with pytest.raises(RuntimeError):  # without the conversion, other sizes break the classifier
         model(torch.zeros(1, 3, 96, 112))
-    reference_out = model(torch.randn(1, 3, reference, reference))
-    make_size_agnostic(model, reference_size=reference)
-    for h, w in SIZES:
-        assert model(torch.randn(2, 3, h, w)).shape == (2, 10)
-    # At the reference size the converted model computes exactly what the original did.
-    torch.manual_seed(0)
-    same = factory().eval()
-    x = torch.randn(1, 3, reference, reference)
-    assert torch.allclose(make_size_agnostic(same, reference)(x), factory_output(factory, x), atol=1e-5)
-    assert reference_out.shape == (1, 10)
-
-
-def factory_output(factory, x):
-    torch.manual_seed(0)
-    return factory().eval()(x)
-
-
-@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v3_small", "squeezenet1_1"])
-def test_torchvision_models_from_the_factory_take_three_sizes(name):
-    model = build_model(name, num_classes=7, in_chans=3).eval()
+    x = torch.randn(2, 3, REFERENCE, REFERENCE)
     with torch.no_grad():
+        before = model(x)
+        make_size_agnostic(model, reference_size=REFERENCE)
+        # At the reference size the converted model computes exactly what the original did.
+        assert torch.allclose(model(x), before, atol=1e-6)
         for h, w in SIZES:
-            assert model(torch.randn(1, 3, h, w)).shape == (1, 7)
+            assert model(torch.randn(2, 3, h, w)).shape == (2, 10)
+
+
+def pools(model: nn.Module) -> dict[str, type]:
+    pool_types = (nn.AvgPool2d, nn.MaxPool2d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)
+    return {name: type(m) for name, m in model.named_modules() if isinstance(m, pool_types)}
+
+
+# name -> the pool that feeds its classifier and must become adaptive (None: none must change).
+# The pinned fixed pools are what the classifier sees; inner pools (a stem's max pool, DenseNet's
+# transitions) must keep scaling with the input.
+POOL_FEEDING_THE_HEAD = {
+    "old-resnet18": "avgpool",
+    "vgg-style": "5",
+    "shufflenet_v2_x0_5": None,  # the head pool is functional (x.mean); the stem's max pool is inner
+    "densenet121": None,  # the head pool is functional; transition3.pool is inner
+    "resnet18": None,  # already adaptive
+}
+
+
+def model_by_name(name: str) -> nn.Module:
+    torch.manual_seed(0)
+    if name == "old-resnet18":
+        return old_style_resnet18()
+    if name == "vgg-style":
+        return vgg_style_fixed_head()
+    return torchvision.models.get_model(name, weights=None, num_classes=10)
+
+
+@pytest.mark.parametrize("name", list(POOL_FEEDING_THE_HEAD))
+def test_only_the_pool_feeding_the_classifier_becomes_adaptive(name):
+    original = model_by_name(name).eval()
+    converted = make_size_agnostic(model_by_name(name).eval(), reference_size=REFERENCE if "-" in name else 224)
+    before, after = pools(original), pools(converted)
+    changed = {k for k in before if before[k] is not after[k]}
+    expected = POOL_FEEDING_THE_HEAD[name]
+    assert changed == ({expected} if expected else set()), (changed, after)
+    if expected is None:  # nothing pinned: the same numbers at every size
+        with torch.no_grad():
+            for size in (128, 288):
+                x = torch.randn(1, 3, size, size)
+                out = converted(x)
+                assert out.shape == (1, 10) and torch.equal(out, original(x)), size
 
 
 def test_factory_builds_own_timm_and_grayscale_models():

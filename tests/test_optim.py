@@ -65,3 +65,22 @@ def test_optimizers_step_and_leave_undecayed_params_alone_without_grad(name):
     assert torch.equal(m.bn.weight, bn_before)
     assert not torch.equal(m.conv.weight, conv_before)
     assert type(opt).__name__ == {"sgd": "SGD", "lars": "Lars"}[name]
+
+
+def test_lars_scales_each_decayed_layer_by_its_trust_ratio_and_leaves_norms_to_sgd():
+    # Real gradients, so the trust ratio eta * |w| / (|g| + wd * |w|) is far from 1 (You et al.
+    # 2017): a decayed weight moves by lr * ratio * (g + wd * w); BatchNorm (undecayed) by lr * g.
+    torch.manual_seed(0)
+    m = Mixed()
+    wd, lr, eta = 1e-4, 0.5, 0.001
+    opt = build_optimizer(m, OptimizerSettings(name="lars", momentum=0.9, weight_decay=wd, nesterov=False), lr=lr)
+    x = torch.randn(2, 3, 6, 6)
+    out = m.fc(m.ln(m.gn(m.bn(m.conv(x))).mean((2, 3))))
+    out.square().sum().backward()
+    w, g = m.conv.weight.detach().clone(), m.conv.weight.grad.clone()
+    bn_w, bn_g = m.bn.weight.detach().clone(), m.bn.weight.grad.clone()
+    opt.step()
+    ratio = eta * w.norm() / (g.norm() + wd * w.norm())
+    assert not 0.5 < ratio < 2  # a real adaptation, not plain SGD
+    assert torch.allclose(m.conv.weight, w - lr * ratio * (g + wd * w), atol=1e-7)
+    assert torch.allclose(m.bn.weight, bn_w - lr * bn_g, atol=1e-7)

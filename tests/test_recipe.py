@@ -57,7 +57,8 @@ def test_linear_scaling_rule_for_other_world_sizes():
     recipe = make(Phase(0, 1, size=8, batch_size=4, lr=0.8), world_size=8)
     assert recipe.lr_at(0, 0, 10, world_size=8) == pytest.approx(0.8)
     assert recipe.lr_at(0, 0, 10, world_size=2) == pytest.approx(0.2)
-    assert recipe.lr_at(0, 0, 10, world_size=16) == pytest.approx(1.6)
+    assert recipe.lr_at(0, 9, 10, world_size=16) == pytest.approx(0.8 * (1 + 0.9 / 5))  # warming up
+    assert make(Phase(0, 6, size=8, batch_size=4, lr=0.8), world_size=8).lr_at(5, 0, 10, world_size=16) == pytest.approx(1.6)
 
 
 @pytest.mark.parametrize(
@@ -207,3 +208,39 @@ def test_batch_size_only_changes_share_the_data_key():
     assert keys[0] == keys[1]  # 64 -> 128 at 128 px: batch change only
     assert keys[2] == keys[3] == keys[4]
     assert keys[1] != keys[2]
+
+
+@pytest.mark.parametrize("name", ["imagenet-1x8", "imagenet-8x8", "fashion-mnist", "tiny"])
+def test_longer_runs_stretch_the_whole_schedule(name):
+    # --epochs beyond the recipe stretches every phase by the same factor (the LR values stay;
+    # extending the last LR line instead drove ImageNet's last LR below zero).
+    recipe = BUILTIN[name]
+    factor = 2
+    long = recipe.with_epochs(factor * recipe.epochs)
+    assert long.validate() is long
+    assert long.epochs == factor * recipe.epochs
+    assert [(p.start, p.end) for p in long.phases] == [(factor * p.start, factor * p.end) for p in recipe.phases]
+    assert [p.lr for p in long.phases] == [p.lr for p in recipe.phases]
+    # The same point of the schedule has the same LR: epoch e of the original is epoch 2e here.
+    for epoch in range(recipe.epochs):
+        assert long.lr_at(factor * epoch, 0, 10) == pytest.approx(recipe.lr_at(epoch, 0, 10))
+    # Stretching by an odd factor keeps every phase non-empty and the LRs non-negative.
+    odd = recipe.with_epochs(recipe.epochs + 3)
+    assert odd.validate() is odd and odd.epochs == recipe.epochs + 3
+    assert all(odd.lr_at(e, s, 4) >= 0 for e in range(odd.epochs) for s in range(4))
+
+
+def test_scaled_lr_warms_up_from_the_recipes_own_value():
+    # A recipe written for 1 device on 4: the LR ramps from the written value to 4x over the
+    # recipe's scale_warmup_epochs (Goyal et al. 2017), then stays at 4x.
+    recipe = make(Phase(0, 10, 8, 4, 0.1), scale_warmup_epochs=2)
+    assert recipe.lr_at(0, 0, 10, world_size=1) == pytest.approx(0.1)
+    assert recipe.lr_at(0, 0, 10, world_size=4) == pytest.approx(0.1)
+    assert recipe.lr_at(1, 0, 10, world_size=4) == pytest.approx(0.1 * 2.5)  # halfway: 1 + 3 * 0.5
+    lrs = [recipe.lr_at(e, s, 10, world_size=4) for e in range(2) for s in range(10)]
+    assert all(a < b for a, b in zip(lrs, lrs[1:]))
+    assert [recipe.lr_at(e, 3, 10, world_size=4) for e in range(2, 10)] == [pytest.approx(0.4)] * 8
+    # Fewer devices than written for: the LR only shrinks, no ramp.
+    wide = make(Phase(0, 10, 8, 4, 0.8), world_size=8, scale_warmup_epochs=2)
+    assert wide.lr_at(0, 0, 10, world_size=2) == pytest.approx(0.2)
+    assert make(Phase(0, 2, 8, 4, 0.1), scale_warmup_epochs=-1).problems()

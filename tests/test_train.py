@@ -1,5 +1,6 @@
 """End to end through the CLI: a real run of the tiny recipe on real Fashion-MNIST images, what
 it leaves in its run directory, resuming after an interruption, and how the loop uses data."""
+import dataclasses
 import json
 import signal
 from pathlib import Path
@@ -41,7 +42,7 @@ def test_lr_of_every_logged_step_equals_the_recipe(tiny_run):
     expected = []
     for epoch in range(TINY.epochs):
         per_epoch = n // TINY.phase_at(epoch).batch_size
-        expected += [(epoch, TINY.lr_at(epoch, i, per_epoch)) for i in range(per_epoch)]
+        expected += [(epoch + 1, TINY.lr_at(epoch, i, per_epoch)) for i in range(per_epoch)]  # epochs 1-based
     assert [r["step"] for r in steps] == list(range(1, len(expected) + 1))
     assert [(r["epoch"], r["lr"]) for r in steps] == expected
     assert all(r["loss"] > 0 for r in steps)
@@ -51,7 +52,7 @@ def test_run_directory_holds_events_metrics_plot_and_checkpoint(tiny_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     evals = read_jsonl(tiny_run / "metrics.jsonl")
-    assert [e["epoch"] for e in evals] == list(range(TINY.epochs))
+    assert [e["epoch"] for e in evals] == list(range(1, TINY.epochs + 1))  # 1-based, as printed
     assert [e["size"] for e in evals] == [20, 20, 28, 28]
     assert all(0 <= e["top1"] <= e["top5"] <= 1 for e in evals)
     assert all(a["wall_s"] < b["wall_s"] for a, b in zip(evals, evals[1:]))
@@ -75,12 +76,12 @@ def test_resume_after_interruption_ends_exactly_like_an_uninterrupted_run(tiny_r
     args = ["train", "--recipe", "tiny", "--device", "cpu", "--deterministic", "--log-every", "1", "--out", str(out)]
     proc = start(*args)
     wait_for(lambda: (out / "checkpoint.pt").exists() or proc.poll() is not None, 300, "the first checkpoint")
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGINT)  # the checkpoint of epoch 1 of 4 exists: 3 epochs are left
     _, stderr = proc.communicate(timeout=120)
-    if proc.returncode != 0:  # interrupted mid-run: the results so far are kept
-        assert proc.returncode == 130, stderr
-        assert json.loads((out / "results.json").read_text())["status"] == "interrupted"
-        assert "Traceback" not in stderr
+    assert proc.returncode == 130, stderr  # interrupted mid-run: the results so far are kept
+    interrupted = json.loads((out / "results.json").read_text())
+    assert interrupted["status"] == "interrupted" and interrupted["epochs_run"] < TINY.epochs
+    assert "Traceback" not in stderr
     again = speedrun(*args)
     assert again.returncode == 2 and "already holds a run" in again.stderr  # no silent overwrite
     resumed = speedrun(*args, "--resume")
@@ -124,8 +125,6 @@ def test_batch_size_only_change_keeps_the_train_stream(tmp_path, monkeypatch):
 def test_ema_weights_are_what_is_evaluated_and_saved(tmp_path):
     """With ema_decay the evaluation runs on the moving average, which the checkpoint holds next
     to the raw weights."""
-    import dataclasses
-
     from speedrun.data.fashion_mnist import FashionMNIST
     from speedrun.dist import DistContext
     from speedrun.model import build_model
@@ -143,7 +142,7 @@ def test_ema_weights_are_what_is_evaluated_and_saved(tmp_path):
     def loss(weights):
         model = build_model(TINY.model, 10, 1).to(memory_format=torch.channels_last)
         model.load_state_dict(weights)
-        return engine.evaluate(model, source, final["size"], TINY.val_batch_size, False, batches, False)["loss"]
+        return engine.evaluate(model, source, final["size"], TINY.val_batch_size, False, batches)["loss"]
 
     assert loss(saved["ema"]) == pytest.approx(final["loss"], rel=1e-6)
     assert loss(saved["model"]) != pytest.approx(final["loss"], rel=1e-3)
@@ -172,7 +171,7 @@ def test_eval_flip_averages_each_image_with_its_mirror():
     batches = engine.DeviceBatches(source, DistContext(0, 1, 0, torch.device("cpu")), channels_last=True)
 
     def metrics(src, flip):
-        return engine.evaluate(model, src, 28, 100, False, batches, False, flip=flip)
+        return engine.evaluate(model, src, 28, 100, False, batches, flip=flip)
 
     both, both_mirrored = metrics(source, True), metrics(Mirrored(source), True)
     plain, plain_mirrored = metrics(source, False), metrics(Mirrored(source), False)
@@ -180,3 +179,65 @@ def test_eval_flip_averages_each_image_with_its_mirror():
     assert abs(plain["loss"] - plain_mirrored["loss"]) > 1e-6  # an untrained model: small but real
     assert both["loss"] not in (plain["loss"], plain_mirrored["loss"])
     assert both["count"] == plain["count"] == 300
+
+
+def test_resuming_a_run_that_reached_its_target_trains_no_more(tmp_path):
+    out = tmp_path / "run"
+    args = ["train", "--recipe", "tiny", "--device", "cpu", "--target", "top1=0.2", "--out", str(out)]
+    first = speedrun(*args)
+    assert first.returncode == 0, first.stderr
+    reached = json.loads((out / "results.json").read_text())
+    assert reached["status"] == "target_reached" and reached["epochs_run"] < TINY.epochs
+    # One numbering: results.json's target epoch is the one the log printed (1-based).
+    assert f"reached at epoch {reached['target_epoch']}:" in first.stdout
+    assert reached["target_epoch"] == reached["epochs_run"] == read_jsonl(out / "metrics.jsonl")[-1]["epoch"]
+    steps_before = read_jsonl(out / "steps.jsonl")
+
+    again = speedrun(*args, "--resume")
+    assert again.returncode == 0, again.stderr
+    resumed = json.loads((out / "results.json").read_text())
+    assert resumed["status"] == "target_reached"
+    assert (resumed["epochs_run"], resumed["steps"], resumed["target_epoch"]) == (
+        reached["epochs_run"], reached["steps"], reached["target_epoch"])
+    assert read_jsonl(out / "steps.jsonl") == steps_before
+    assert len(read_jsonl(out / "metrics.jsonl")) == reached["epochs_run"]
+
+
+def test_fp16_autocast_trains_with_a_gradient_scaler(tmp_path):
+    """GPUs without bf16 (V100, T4) train in fp16 with a gradient scaler; the same code runs on
+    the CPU here. The scaler's state is saved with the checkpoint."""
+    recipe = dataclasses.replace(TINY.with_epochs(1), train_examples=1024, val_examples=200)
+    results = engine.train(engine.TrainConfig(recipe=recipe, out=tmp_path / "run", device="cpu", precision="fp16"))
+    assert results["precision"] == "fp16" and results["status"] == "finished"
+    losses = [r["loss"] for r in read_jsonl(tmp_path / "run" / "steps.jsonl")]
+    assert losses and all(0 < x < 3 for x in losses)
+    saved = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
+    assert saved["scaler"]["scale"] > 0
+
+
+@pytest.mark.parametrize("requested, device, capability, expected", [
+    ("auto", "cpu", None, "fp32"),
+    ("auto", "cuda", (7, 0), "fp16"),  # V100: the record's GPU has no bf16
+    ("auto", "cuda", (7, 5), "fp16"),  # T4
+    ("auto", "cuda", (8, 0), "bf16"),  # A100
+    ("auto", "cuda", (9, 0), "bf16"),  # H100 / H200
+    ("fp16", "cuda", (9, 0), "fp16"),
+    ("fp32", "cuda", (9, 0), "fp32"),
+    ("bf16", "cpu", None, "bf16"),
+])
+def test_precision_follows_what_the_device_supports(requested, device, capability, expected):
+    assert engine.choose_precision(requested, device, capability) == expected
+
+
+def test_bf16_on_a_gpu_without_it_is_refused():
+    from speedrun.errors import SpeedrunError
+
+    with pytest.raises(SpeedrunError, match="compute capability 7.0"):
+        engine.choose_precision("bf16", "cuda", (7, 0))
+
+
+def test_compiled_model_trains_and_evaluates(tmp_path):
+    recipe = dataclasses.replace(TINY.with_epochs(1), train_examples=512, val_examples=100)
+    results = engine.train(engine.TrainConfig(recipe=recipe, out=tmp_path / "run", device="cpu", compile=True))
+    assert results["status"] == "finished" and results["compile"] is True
+    assert results["final"]["count"] == 100

@@ -1,9 +1,11 @@
-"""Checkpoints written atomically: a crash mid-write leaves the previous checkpoint intact."""
+"""Checkpoints written atomically (a crash mid-write leaves the previous checkpoint intact) and
+off the training thread (`CheckpointWriter`)."""
 from __future__ import annotations
 
 import os
 import random
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,57 @@ def save_atomic(state: dict[str, Any], path: str | os.PathLike) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+class CheckpointWriter:
+    """Writes checkpoints on a background thread, so that training (and every other rank, which
+    would wait at its next collective) does not stand still while rank 0 writes and fsyncs
+    hundreds of MB. `save` copies the state first (tensors to the CPU), then returns; a save
+    while the previous one is still being written waits for it. A failed write is raised by the
+    next `save` or `wait`, on the training thread."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def busy(self) -> bool:
+        """A write is in progress."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def save(self, state: dict[str, Any], path: str | os.PathLike) -> None:
+        """Copy `state` now and write it to `path` (atomically) in the background."""
+        snapshot = copy_to_cpu(state)
+        self.wait()
+        self._thread = threading.Thread(target=self._write, args=(snapshot, Path(path)), name="checkpoint-writer")
+        self._thread.start()
+
+    def _write(self, state: dict[str, Any], path: Path) -> None:
+        try:
+            save_atomic(state, path)
+        except BaseException as e:  # noqa: BLE001 - handed to the training thread
+            self._error = e
+
+    def wait(self) -> None:
+        """Block until the last save is on disk; raise its error, if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+
+def copy_to_cpu(obj: Any) -> Any:
+    """A deep copy of nested dicts, lists and tuples whose tensors are copied to the CPU: later
+    in-place updates of the weights and optimizer state do not reach it."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: copy_to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(copy_to_cpu(v) for v in obj)
+    return obj
 
 
 def load(path: str | os.PathLike) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -13,9 +14,9 @@ from rich.table import Table
 
 from speedrun.data import LOADERS
 from speedrun.errors import SpeedrunError, TrainingFailed
-from speedrun.recipe import Recipe, RecipeError, Target, load_recipe
+from speedrun.recipe import PRECISIONS, RecipeError, Target, load_recipe
 
-EXIT_TRAINING_FAILED = 3
+EXIT_BAD_INPUT, EXIT_TRAINING_FAILED = 2, 3
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -30,12 +31,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--recipe", default=None, metavar="NAME|FILE", help="built-in recipe name or a .py file defining `recipe` (default: fashion-mnist)")
     p.add_argument("--data", default=None, metavar="PATH", help="dataset location (default: the dataset's own lookup)")
     p.add_argument("--target", default=None, metavar="METRIC=VALUE", help="stop at this accuracy, e.g. top5=0.93 or top1=92; 'none' runs every epoch")
-    p.add_argument("--epochs", type=int, default=None, metavar="N", help="cut (or stretch) the recipe to N epochs")
+    p.add_argument("--epochs", type=int, default=None, metavar="N",
+                   help="cut the recipe to N epochs, or stretch every phase in proportion when N is more")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available, else cpu")
     p.add_argument("--out", type=Path, default=None, metavar="DIR", help="run directory (default: runs/<recipe>-<date>-<time>)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
-    p.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto", help="auto: bf16 autocast on CUDA, fp32 on CPU")
+    p.add_argument("--precision", choices=PRECISIONS, default="auto",
+                   help="auto: bf16 autocast on GPUs that have it (Ampere and later), fp16 with a gradient scaler "
+                   "on older ones (V100, T4), fp32 on CPU")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--deterministic", action="store_true", help="deterministic kernels: the same numbers run after run")
     p.add_argument("--workers", type=int, default=None, metavar="N", help="decode processes per device for image folders")
@@ -50,6 +54,29 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, metavar="MB", help="DDP gradient bucket size (default 25)")
     p.add_argument("--bf16-grads", action="store_true", help="all-reduce gradients in bf16 (CUDA)")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser(
+        "eval",
+        help="evaluate a run's checkpoint on the validation split",
+        description="Score the checkpoint in RUN_DIR (its EMA weights when the run kept them) on the validation "
+        "split, on one process or N, without training. Prints the metrics and appends them to RUN_DIR/eval.jsonl. "
+        "Defaults: the recipe's last phase (size, rectangular or square validation) and its eval_flip.",
+    )
+    p.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run directory holding checkpoint.pt")
+    p.add_argument("--data", default=None, metavar="PATH", help="dataset location (default: the one the run trained on)")
+    p.add_argument("--size", type=int, default=None, metavar="PX", help="validation image size in pixels")
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--rect", dest="rect", action="store_true", default=None, help="rectangular validation")
+    shape.add_argument("--square", dest="rect", action="store_false", help="square centre crops")
+    p.add_argument("--flip", action=argparse.BooleanOptionalAction, default=None,
+                   help="average each image's logits with its mirror's")
+    p.add_argument("--batch-size", type=int, default=None, metavar="N", help="images per device per batch")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--precision", choices=PRECISIONS, default="auto", help="as for train")
+    p.add_argument("--workers", type=int, default=None, metavar="N", help="decode processes per device for image folders")
+    p.add_argument("--copies", default=None, metavar="DIR", help="where an image folder's resized copies are")
+    p.add_argument("--nproc-per-node", type=int, default=None, metavar="N", help="evaluate on N processes through torchrun")
+    p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser(
         "tune-host",
@@ -87,7 +114,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = TrainConfig(
         recipe=recipe,
         out=args.out,
-        data=args.data,
+        # Absolute, as recorded in the checkpoint for `speedrun eval` from another directory.
+        data=str(Path(args.data).resolve()) if args.data and Path(args.data).exists() else args.data,
         device=args.device,
         resume=args.resume,
         compile=args.compile,
@@ -108,9 +136,33 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.nproc_per_node:
         if args.data is not None and not Path(args.data).exists():
             raise SpeedrunError(f"data path {args.data!r} does not exist")
-        return launch_local_processes(args, recipe)
+        from speedrun.engine import default_run_dir
+
+        forwarded = strip_option(args.argv, "--nproc-per-node")
+        if args.out is None:  # fix the name here, so that every process writes to the same place
+            forwarded += ["--out", str(default_run_dir(recipe.name))]
+        return launch_local_processes(forwarded, args.nproc_per_node)
     results = train(cfg)
     return 0 if results["status"] in ("finished", "target_reached") else EXIT_TRAINING_FAILED
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    for name in ("size", "batch_size", "nproc_per_node", "workers"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise SpeedrunError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if not (args.run_dir / "checkpoint.pt").is_file():
+        raise SpeedrunError(f"no checkpoint at {args.run_dir / 'checkpoint.pt'}: RUN_DIR must be a run directory with a checkpoint")
+    if args.nproc_per_node:
+        return launch_local_processes(strip_option(args.argv, "--nproc-per-node"), args.nproc_per_node)
+    from speedrun.score import EvalConfig, evaluate_run
+
+    evaluate_run(EvalConfig(
+        run_dir=args.run_dir, data=args.data, size=args.size, rect=args.rect, flip=args.flip,
+        batch_size=args.batch_size, device=args.device, precision=args.precision, workers=args.workers,
+        copies=args.copies,
+    ))
+    return 0
 
 
 def cmd_tune_host(args: argparse.Namespace) -> int:
@@ -134,20 +186,15 @@ def process_start_time() -> float:
     return float(os.environ.get("SPEEDRUN_PROCESS_START", time.time()))
 
 
-def launch_local_processes(args: argparse.Namespace, recipe: Recipe) -> int:
-    """Re-run this command as N processes on this machine through torchrun's launcher (the
-    elastic agent: it watches the processes and stops them all when one fails)."""
+def launch_local_processes(argv: list[str], n: int) -> int:
+    """Run `speedrun ARGV` as `n` processes on this machine through torchrun's launcher (the
+    elastic agent: it watches the processes and stops them all when one fails). A process that
+    refused bad input (exit 2) makes this a bad-input error too."""
     import uuid
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from speedrun.engine import default_run_dir
-
-    n = args.nproc_per_node
-    forwarded = strip_option(args.argv, "--nproc-per-node")
-    if args.out is None:  # fix the name here, so that every process writes to the same place
-        forwarded += ["--out", str(default_run_dir(recipe.name))]
     os.environ["SPEEDRUN_PROCESS_START"] = str(process_start_time())
     # Share the cores instead of every process starting one thread per core.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
@@ -162,7 +209,7 @@ def launch_local_processes(args: argparse.Namespace, recipe: Recipe) -> int:
         monitor_interval=0.5,
     )
     try:
-        elastic_launch(config, sys.executable)("-m", "speedrun", *forwarded)
+        elastic_launch(config, sys.executable)("-m", "speedrun", *argv)
     except ChildFailedError as e:
         rank, failure = root_cause(e.failures)
         message = failure.message or ""
@@ -170,6 +217,8 @@ def launch_local_processes(args: argparse.Namespace, recipe: Recipe) -> int:
             message = "it left no error message"
         elif isinstance(failure.message, dict):  # the error file our processes write (cli.report)
             message = str(failure.message.get("message", failure.message)).removeprefix("RuntimeError: ")
+        if failure.exitcode == EXIT_BAD_INPUT:  # the process's own one line, without its prefix
+            raise SpeedrunError(re.sub(r"^speedrun: (rank \d+: )?error: ", f"rank {rank}: ", message)) from None
         raise TrainingFailed(
             f"rank {rank} (pid {failure.pid}) failed first with exit code {failure.exitcode}: {message}; "
             "the other ranks were stopped"

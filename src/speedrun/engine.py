@@ -5,6 +5,7 @@ Read `train` top to bottom for the whole story; the helpers below it each do one
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import platform
@@ -29,7 +30,7 @@ from speedrun.dist import DistContext, all_reduce_sum, average_buffers, broadcas
 from speedrun.errors import SpeedrunError, TrainingFailed
 from speedrun.model import build_model
 from speedrun.optim import build_optimizer, set_lr
-from speedrun.recipe import Phase, Recipe
+from speedrun.recipe import PRECISIONS, Phase, Recipe
 from speedrun.track import Tracker, read_jsonl
 
 
@@ -56,7 +57,7 @@ class TrainConfig:
     sync_bn: bool = False  # synchronise BatchNorm statistics across ranks
     bucket_cap_mb: float = 25.0  # DDP gradient bucket size
     bf16_grads: bool = False  # compress gradients to bf16 for the all-reduce (CUDA only)
-    precision: str = "auto"  # "auto" (bf16 autocast on CUDA, fp32 on CPU), "bf16" or "fp32"
+    precision: str = "auto"  # "auto" (see choose_precision), "bf16", "fp16" or "fp32"
     process_start: float = field(default_factory=time.time)  # wall clock when the process began
 
 
@@ -64,14 +65,15 @@ class TrainConfig:
 class RunState:
     """What a checkpoint carries besides weights and optimizer state."""
 
-    epoch: int = 0  # next epoch to run
+    epoch: int = 0  # next epoch to run (0-based), which is also the number of epochs done
     step: int = 0  # optimizer steps taken, all epochs
     startup_s: float = 0.0  # process start -> first step, in the run's first process
     train_s: float = 0.0  # first step -> now, summed over resumed sessions
     best: dict[str, float] = field(default_factory=dict)
     time_to_target_s: float | None = None
     time_to_target_from_first_step_s: float | None = None
-    target_epoch: int | None = None
+    target_epoch: int | None = None  # the epoch (1-based, as printed) whose evaluation reached the target
+    world_size: int | None = None  # processes the run trains on; a resume must use as many
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
@@ -86,9 +88,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         configure_determinism(cfg, ctx)
         source = build_source(recipe, cfg.data, ctx.device, cfg.workers, cfg.copies, cfg.loader)
         learner = build_learner(cfg, ctx, source)
-        state = RunState()
+        state = RunState(world_size=ctx.world_size)
         if cfg.resume:
-            state = restore(cfg.out / "checkpoint.pt", learner, recipe)
+            state = restore(cfg.out / "checkpoint.pt", learner, recipe, ctx.world_size)
         tracker = Tracker(cfg.out, enabled=ctx.is_main, resume_step=state.step if cfg.resume else None)
         try:
             results = run_epochs(cfg, ctx, source, learner, state, tracker)
@@ -108,40 +110,46 @@ def run_epochs(
     batches = DeviceBatches(source, ctx, learner.channels_last)
     evals = read_jsonl(cfg.out / "metrics.jsonl") if cfg.resume else []
     loader = getattr(source, "loader", None)  # image folders: what decodes training images
+    scale = recipe.lr_scale(ctx.world_size)
+    warmup = f" (ramped up over {recipe.scale_warmup_epochs:g} epochs)" if scale > 1 and recipe.scale_warmup_epochs else ""
     tracker.print(
         f"speedrun {speedrun.__version__}: recipe {recipe.name}, model {recipe.model}, "
         f"{source.num_train} train / {source.num_val} val images{f' ({loader} loader)' if loader else ''}, "
-        f"{ctx.world_size} x {ctx.device.type}, "
-        f"{'bf16' if learner.use_bf16 else 'fp32'}, LR x{recipe.lr_scale(ctx.world_size):g} for world size "
+        f"{ctx.world_size} x {ctx.device.type}, {learner.precision}, LR x{scale:g}{warmup} for world size "
         f"{ctx.world_size}, target {recipe.target or 'none'}, out {cfg.out}"
     )
     clock = Clock(cfg.process_start, state)
     streams = PhaseStreams(source, ctx, cfg.seed)
+    writer = checkpoint.CheckpointWriter()
     status = "interrupted"
+    # A resumed run that had reached its target is complete: nothing more to train.
+    first_epoch = state.epoch if state.target_epoch is None else recipe.epochs
     try:
-        for epoch in range(state.epoch, recipe.epochs):
+        for epoch in range(first_epoch, recipe.epochs):
             phase = recipe.phase_at(epoch)
             stream = streams.for_epoch(phase, epoch)
             tracker.start_epoch(epoch, recipe.epochs, len(stream), phase.size, phase.batch_size)
             speed = train_one_epoch(learner, stream, batches, recipe, epoch, state, clock, ctx, tracker, cfg.log_every)
             learner.average_buffers(ctx)
-            tracker.log_epoch({"epoch": epoch, "step": state.step, "size": phase.size,
+            tracker.log_epoch({"epoch": epoch + 1, "step": state.step, "size": phase.size,
                                "batch_size": phase.batch_size, **speed, "memory_mb": memory_mb(ctx.device)})
             state.epoch = epoch + 1
             last = epoch == recipe.epochs - 1
             if (epoch + 1) % recipe.eval_every == 0 or last:
                 metrics = evaluate(learner.eval_net, source, phase.size, recipe.val_batch_size or phase.batch_size,
-                                   phase.rect_val, batches, learner.use_bf16, recipe.eval_flip)
+                                   phase.rect_val, batches, learner.precision, recipe.eval_flip)
                 # Evaluation time counts towards time-to-target, as in the 2018 record's clock.
                 state.train_s = clock.train_s()
                 evals.append(note_evaluation(recipe, phase, epoch, metrics, speed, state, tracker))
             state.train_s = clock.train_s()
             if ctx.is_main and cfg.checkpoint_every and (
-                state.epoch % cfg.checkpoint_every == 0 or last or state.target_epoch == epoch
+                state.epoch % cfg.checkpoint_every == 0 or last or state.target_epoch is not None
             ):
-                save_checkpoint(cfg.out / "checkpoint.pt", learner, state, recipe)
+                # Written by a background thread: the next epoch starts while it is saved.
+                save_checkpoint(writer, cfg.out / "checkpoint.pt", learner, state, cfg)
             if state.target_epoch is not None:
                 break
+        writer.wait()
         status = "target_reached" if state.time_to_target_s is not None else "finished"
     except TrainingFailed:
         status = "failed"
@@ -151,8 +159,12 @@ def run_epochs(
         raise TrainingFailed(f"a collective failed, {PEER_DIED}: {str(e).splitlines()[0]}") from None
     finally:
         streams.close()
+        # Already failing or interrupted: let the last checkpoint reach the disk; the error that
+        # ended the run is the one to report.
+        with contextlib.suppress(Exception):
+            writer.wait()
         state.train_s = clock.train_s()
-        results = build_results(cfg, ctx, state, evals, status, clock.session_start)
+        results = build_results(cfg, ctx, state, evals, status, clock.session_start, learner.precision)
         bad = getattr(source, "bad_images", None)  # image folders count files they had to skip
         results["skipped_images"] = {"files": len(bad.files), "failures": bad.count} if bad is not None else None
         results["loader"] = loader
@@ -196,7 +208,7 @@ def train_one_epoch(
 
 def note_evaluation(recipe: Recipe, phase: Phase, epoch: int, metrics: dict, speed: dict, state: RunState, tracker: Tracker) -> dict:
     """Log an evaluation, keep the best metrics, and stop the clock at the target. Returns the record."""
-    record = {"epoch": epoch, "step": state.step, "size": phase.size, "rect_val": phase.rect_val,
+    record = {"epoch": epoch + 1, "step": state.step, "size": phase.size, "rect_val": phase.rect_val,
               "wall_s": state.startup_s + state.train_s, "train_s": state.train_s, "epoch_s": speed["epoch_s"],
               **metrics}
     tracker.log_eval(record)
@@ -210,7 +222,7 @@ def note_evaluation(recipe: Recipe, phase: Phase, epoch: int, metrics: dict, spe
     if reached_target(recipe, metrics) and state.time_to_target_s is None:
         state.time_to_target_s = state.startup_s + state.train_s
         state.time_to_target_from_first_step_s = state.train_s
-        state.target_epoch = epoch
+        state.target_epoch = epoch + 1
         tracker.print(
             f"target {recipe.target} reached at epoch {epoch + 1}: {state.time_to_target_s:.1f}s from process "
             f"start, {state.time_to_target_from_first_step_s:.1f}s from the first step"
@@ -342,20 +354,26 @@ class Learner:
     net: nn.Module
     optimizer: torch.optim.Optimizer
     criterion: nn.Module
-    use_bf16: bool
+    precision: str  # "bf16", "fp16" or "fp32" (choose_precision's answer)
     channels_last: bool
     ema: Any = None  # timm.utils.ModelEmaV3
+    scaler: torch.amp.GradScaler | None = None  # fp16 only: scales the loss so gradients do not underflow
+    compiled_model: nn.Module | None = None  # torch.compile(model), for evaluation
 
     def step(self, x: torch.Tensor, y: torch.Tensor, step: int) -> torch.Tensor:
         """One optimizer step on a normalised batch; `step` counts steps from the run's start."""
-        loss = train_step(self.net, self.optimizer, self.criterion, x, y, self.use_bf16)
+        loss = train_step(self.net, self.optimizer, self.criterion, x, y, self.precision, self.scaler)
         if self.ema is not None:
             self.ema.update(self.model, step=step)
         return loss
 
     @property
     def eval_net(self) -> nn.Module:
-        return self.ema.module if self.ema is not None else self.net
+        """What evaluation runs: the EMA weights, else the model itself, never the DDP wrapper
+        (see `evaluate`)."""
+        if self.ema is not None:
+            return self.ema.module
+        return self.compiled_model if self.compiled_model is not None else self.model
 
     def average_buffers(self, ctx: DistContext) -> None:
         average_buffers(self.model, ctx)
@@ -395,12 +413,16 @@ def build_learner(cfg: TrainConfig, ctx: DistContext, source: DataSource) -> Lea
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
             net.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    compiled_model = None
     if cfg.compile:
         # Sizes change between phases; each size compiles once, dynamic shapes would be slower.
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        net = torch.compile(net, dynamic=False)
+        compiled_model = torch.compile(model, dynamic=False)  # evaluation runs the bare model
+        net = compiled_model if net is model else torch.compile(net, dynamic=False)
     criterion = nn.CrossEntropyLoss(label_smoothing=recipe.optimizer.label_smoothing)
-    return Learner(model, net, optimizer, criterion, uses_bf16(cfg.precision, ctx.device), channels_last, ema)
+    precision = choose_precision(cfg.precision, ctx.device.type, device_capability(ctx.device))
+    scaler = torch.amp.GradScaler(ctx.device.type) if precision == "fp16" else None
+    return Learner(model, net, optimizer, criterion, precision, channels_last, ema, scaler, compiled_model)
 
 
 def train_step(
@@ -409,31 +431,52 @@ def train_step(
     criterion: nn.Module,
     x: torch.Tensor,
     y: torch.Tensor,
-    use_bf16: bool,
+    precision: str = "fp32",
+    scaler: torch.amp.GradScaler | None = None,
 ) -> torch.Tensor:
-    """One optimizer step on a normalised batch; returns the loss (not synchronised)."""
-    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=use_bf16):
+    """One optimizer step on a normalised batch, under autocast to `precision`'s dtype (a
+    GradScaler is needed for fp16); returns the loss (not synchronised)."""
+    with autocast(x.device, precision):
         loss = criterion(net(x), y)
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    optimizer.step()
+    if scaler is None:
+        loss.backward()
+        optimizer.step()
+    else:
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
     return loss
+
+
+def autocast(device: torch.device, precision: str) -> torch.autocast:
+    """Mixed precision for `precision` ("bf16", "fp16"); disabled for "fp32"."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    return torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None)
 
 
 @torch.no_grad()
 def evaluate(
-    net: nn.Module, source: DataSource, size: int, batch_size: int, rect: bool, batches: DeviceBatches, use_bf16: bool,
-    flip: bool = False,
+    net: nn.Module, source: DataSource, size: int, batch_size: int, rect: bool, batches: DeviceBatches,
+    precision: str = "fp32", flip: bool = False,
 ) -> dict[str, float]:
-    """Loss, top-1 and top-5 over the whole validation split; each rank evaluates its share and
-    the sums are reduced, so every sample counts exactly once whatever the world size. `flip`:
-    the logits are the mean of the image's and its horizontal mirror's (twice the compute)."""
+    """Loss, top-1 and top-5 over the whole validation split at `size` pixels; each rank
+    evaluates its share and the sums are reduced, so every sample counts exactly once whatever
+    the world size. `flip`: the logits are the mean of the image's and its horizontal mirror's
+    (twice the compute).
+
+    A DistributedDataParallel `net` is evaluated through its module: DDP's forward broadcasts
+    BatchNorm buffers, a collective that a rank with no validation batch would never join, so
+    the ranks' collectives would stop lining up (a hang; the 2018 code avoided it the same way).
+    """
+    if isinstance(net, DDP):
+        net = net.module
     net.eval()
     ctx = batches.ctx
     sums = torch.zeros(4, dtype=torch.float64, device=ctx.device)  # loss, correct@1, correct@5, count
     for images, labels in source.val_batches(size, batch_size, rect, ctx.shard):
         x, y = batches.to_device(images, labels)
-        with torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=use_bf16):
+        with autocast(ctx.device, precision):
             logits = net(x).float()
             if flip:
                 logits = (logits + net(x.flip(3)).float()) / 2
@@ -465,7 +508,7 @@ def log_train_loss(loss: torch.Tensor, lr: float, epoch: int, step: int, ctx: Di
     value = all_reduce_sum(loss.detach().float().clone(), ctx).item() / ctx.world_size
     if not math.isfinite(value):
         raise TrainingFailed(f"loss became {value} at epoch {epoch + 1}, step {step} (lr {lr:.4g}); lower the LR")
-    tracker.log_step({"step": step, "epoch": epoch, "loss": value, "lr": lr})
+    tracker.log_step({"step": step, "epoch": epoch + 1, "loss": value, "lr": lr})
 
 
 def reached_target(recipe: Recipe, metrics: dict[str, float]) -> bool:
@@ -484,11 +527,29 @@ def configure_determinism(cfg: TrainConfig, ctx: DistContext) -> None:
         torch.backends.cudnn.allow_tf32 = True
 
 
-def uses_bf16(precision: str, device: torch.device) -> bool:
-    """bf16 autocast on CUDA by default; fp32 on CPU, where bf16 is several times slower."""
-    if precision not in ("auto", "bf16", "fp32"):
-        raise SpeedrunError(f"unknown precision {precision!r} (use auto, bf16 or fp32)")
-    return precision == "bf16" or (precision == "auto" and device.type == "cuda")
+def choose_precision(requested: str, device_type: str, capability: tuple[int, int] | None) -> str:
+    """"bf16", "fp16" or "fp32" for a run asking for `requested` on a `device_type` device of CUDA
+    compute `capability`. auto: bf16 autocast on GPUs that have it (compute capability 8.0,
+    Ampere, and later), fp16 with a gradient scaler on older ones (V100 7.0, T4 7.5: the record's
+    hardware), fp32 on the CPU, where both are several times slower."""
+    if requested not in PRECISIONS:
+        raise SpeedrunError(f"unknown precision {requested!r} (use {', '.join(PRECISIONS)})")
+    bf16_ok = device_type != "cuda" or (capability is not None and capability >= (8, 0))
+    if requested == "bf16" and not bf16_ok:
+        raise SpeedrunError(
+            f"--precision bf16: this GPU (compute capability {capability[0]}.{capability[1]}) has no bf16; "
+            "use --precision fp16 or auto"
+        )
+    if requested != "auto":
+        return requested
+    if device_type != "cuda":
+        return "fp32"
+    return "bf16" if bf16_ok else "fp16"
+
+
+def device_capability(device: torch.device) -> tuple[int, int] | None:
+    """A CUDA device's compute capability (major, minor); None for other devices."""
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
 
 
 def memory_mb(device: torch.device) -> float:
@@ -501,14 +562,17 @@ def memory_mb(device: torch.device) -> float:
 # -- checkpoints and results -------------------------------------------------------------------
 
 
-def save_checkpoint(path: Path, learner: Learner, state: RunState, recipe: Recipe) -> None:
-    checkpoint.save_atomic(
+def save_checkpoint(writer: checkpoint.CheckpointWriter, path: Path, learner: Learner, state: RunState, cfg: TrainConfig) -> None:
+    """Hand the run's state to `writer`, which copies it now and writes it in the background."""
+    writer.save(
         {
             "model": learner.model.state_dict(),
             "ema": learner.ema.module.state_dict() if learner.ema is not None else None,
             "optimizer": learner.optimizer.state_dict(),
+            "scaler": learner.scaler.state_dict() if learner.scaler is not None else None,
             "state": asdict(state),
-            "recipe": recipe.to_dict(),
+            "recipe": cfg.recipe.to_dict(),
+            "data": cfg.data,  # where `speedrun eval` finds the validation split
             "rng": checkpoint.rng_state(),
             "speedrun": speedrun.__version__,
         },
@@ -516,20 +580,37 @@ def save_checkpoint(path: Path, learner: Learner, state: RunState, recipe: Recip
     )
 
 
-def restore(path: Path, learner: Learner, recipe: Recipe) -> RunState:
-    """Load a checkpoint into the learner; the recipe must be the one it was made with."""
+def restore(path: Path, learner: Learner, recipe: Recipe, world_size: int) -> RunState:
+    """Load a checkpoint into the learner; the recipe and the number of processes must be the
+    ones it was made with (another world size would change the global batch and the LR mid-run)."""
     saved = checkpoint.load(path)
     if Recipe.from_dict(saved["recipe"]) != recipe:
         raise SpeedrunError(f"--resume: {path} was made with a different recipe ({saved['recipe']['name']}); resume with the same one")
+    state = RunState(**saved["state"])
+    if state.world_size is not None and state.world_size != world_size:
+        raise SpeedrunError(
+            f"--resume: {path} was trained on {processes(state.world_size)} and this run has {processes(world_size)}: "
+            f"the global batch and LR would change mid-run; resume on {processes(state.world_size)}"
+        )
+    state.world_size = world_size  # checkpoints before this field: unknown, taken as this run's
     learner.model.load_state_dict(saved["model"])
     if learner.ema is not None:
         learner.ema.module.load_state_dict(saved["ema"])
     learner.optimizer.load_state_dict(saved["optimizer"])
+    if learner.scaler is not None and saved.get("scaler"):
+        learner.scaler.load_state_dict(saved["scaler"])
     checkpoint.set_rng_state(saved["rng"])
-    return RunState(**saved["state"])
+    return state
 
 
-def build_results(cfg: TrainConfig, ctx: DistContext, state: RunState, evals: list[dict], status: str, session_start: float) -> dict[str, Any]:
+def processes(n: int | None) -> str:
+    """"1 process", "8 processes"."""
+    return f"{n} process" if n == 1 else f"{n} processes"
+
+
+def build_results(
+    cfg: TrainConfig, ctx: DistContext, state: RunState, evals: list[dict], status: str, session_start: float, precision: str
+) -> dict[str, Any]:
     recipe = cfg.recipe
     final = evals[-1] if evals else None
     return {
@@ -551,7 +632,8 @@ def build_results(cfg: TrainConfig, ctx: DistContext, state: RunState, evals: li
         "seed": cfg.seed,
         "deterministic": cfg.deterministic,
         "compile": cfg.compile,
-        "precision": "bf16" if uses_bf16(cfg.precision, ctx.device) else "fp32",
+        "precision": precision,
+        "data": cfg.data,
         "versions": {"speedrun": speedrun.__version__, "torch": torch.__version__, "python": platform.python_version()},
         "session_s": time.time() - session_start,
     }

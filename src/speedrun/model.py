@@ -133,24 +133,29 @@ _FIXED_POOLS = {nn.AvgPool2d: nn.AdaptiveAvgPool2d, nn.MaxPool2d: nn.AdaptiveMax
 
 @torch.no_grad()
 def make_size_agnostic(model: nn.Module, reference_size: int | tuple[int, int] = 224, in_chans: int | None = None) -> nn.Module:
-    """Make a CNN accept any input size by replacing its last fixed pooling layer with adaptive
-    pooling to the same output size. Modifies `model` in place and returns it.
+    """Make a CNN accept any input size by replacing the fixed pooling layer that feeds its
+    classifier with adaptive pooling to the same output size. Modifies `model` in place and
+    returns it.
 
     The 2018 code did this to ResNet's `AvgPool2d(7)` so that one model trains at 128, 224 and
-    288 px. The last pooling layer is found by running one image of `reference_size` pixels (the
-    size the model was designed for) through the model; its output size there (1 x 1 for a global
-    pool, 7 x 7 for VGG-style heads) is what the adaptive layer keeps producing at every other size.
-    Models whose last pool is already adaptive are left unchanged.
+    288 px. The pool is found by running one image of `reference_size` pixels (the size the model
+    was designed for) through the model: it is the last pooling layer before the first linear
+    layer, with no convolution in between, whose output holds exactly the linear layer's input
+    features (1 x 1 for a global pool, 7 x 7 for VGG-style heads); the adaptive layer keeps
+    producing that output size at every other size. Inner pools (a stem's max pool, DenseNet's
+    transitions) keep scaling with the input, and models whose head pool is adaptive or
+    functional (`x.mean`) are left unchanged.
     """
     height, width = (reference_size, reference_size) if isinstance(reference_size, int) else reference_size
     if in_chans is None:
         first_conv = next((m for m in model.modules() if isinstance(m, nn.Conv2d)), None)
         in_chans = first_conv.in_channels if first_conv is not None else 3
-    seen: list[tuple[nn.Module, tuple[int, int]]] = []
+    calls: list[tuple[nn.Module, torch.Size]] = []  # pools, convolutions and linear layers, in call order
+    watched = tuple(_FIXED_POOLS) + (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d, nn.Conv2d, nn.Linear)
     hooks = [
-        m.register_forward_hook(lambda mod, inp, out: seen.append((mod, tuple(out.shape[-2:]))))
+        m.register_forward_hook(lambda mod, inp, out: calls.append((mod, out.shape)))
         for m in model.modules()
-        if isinstance(m, tuple(_FIXED_POOLS) + (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d))
+        if isinstance(m, watched)
     ]
     was_training = model.training
     try:
@@ -160,16 +165,17 @@ def make_size_agnostic(model: nn.Module, reference_size: int | tuple[int, int] =
         for h in hooks:
             h.remove()
         model.train(was_training)
-    if not seen:
+    first_linear = next((i for i, (m, _) in enumerate(calls) if isinstance(m, nn.Linear)), None)
+    if first_linear is None or first_linear == 0:
         return model
-    last, out_size = seen[-1]
-    adaptive = _FIXED_POOLS.get(type(last))
-    if adaptive is None:  # already adaptive
-        return model
+    pool, shape = calls[first_linear - 1]
+    adaptive = _FIXED_POOLS.get(type(pool))
+    if adaptive is None or shape[1:].numel() != calls[first_linear][0].in_features:
+        return model  # already adaptive, a convolution in between, or not what the classifier reads
     for parent in model.modules():
         for child_name, child in parent.named_children():
-            if child is last:
-                setattr(parent, child_name, adaptive(out_size))
+            if child is pool:
+                setattr(parent, child_name, adaptive(tuple(shape[-2:])))
     return model
 
 

@@ -23,6 +23,7 @@ LearningRate = float | tuple[float, float]
 METRICS = ("top1", "top5")
 OPTIMIZERS = ("sgd", "lars")
 NO_DECAY_MODES = ("norm_bias", "bn", "none")
+PRECISIONS = ("auto", "bf16", "fp16", "fp32")  # a run's --precision (engine.choose_precision)
 
 
 class RecipeError(SpeedrunError, ValueError):
@@ -124,6 +125,9 @@ class Recipe:
     val_batch_size: int | None = None  # per device; defaults to the phase's batch size
     train_examples: int | None = None  # use only the first N training examples (quick runs)
     val_examples: int | None = None  # use only the first N validation examples
+    # On more devices than `world_size`, the LR ramps from the recipe's own value to the scaled
+    # one over this many epochs (Goyal et al. 2017 used 5): a scaled LR at step 0 can diverge.
+    scale_warmup_epochs: float = 5.0
     description: str = ""
 
     @property
@@ -143,20 +147,40 @@ class Recipe:
         is scaled by the same factor (Goyal et al. 2017)."""
         return world_size / self.world_size
 
+    def lr_scale_at(self, epoch: float, world_size: int) -> float:
+        """The factor on the recipe's LR at a fractional epoch: `lr_scale`, reached gradually
+        over `scale_warmup_epochs` when it is above 1 (Goyal et al. 2017's gradual warmup)."""
+        scale = self.lr_scale(world_size)
+        if scale <= 1 or self.scale_warmup_epochs <= 0:
+            return scale
+        return 1 + (scale - 1) * min(1.0, epoch / self.scale_warmup_epochs)
+
     def lr_at(self, epoch: int, step: int, steps_per_epoch: int, world_size: int | None = None) -> float:
         """LR for iteration `step` (0-based) of `epoch`, which has `steps_per_epoch` iterations.
 
         Linear phases interpolate on the fractional epoch epoch + step / steps_per_epoch, so the
         LR moves every iteration and a batch-size change at a phase edge changes only how many
-        iterations share the same range. With `world_size` given, the linear scaling rule applies.
+        iterations share the same range. With `world_size` given, the linear scaling rule applies
+        (with its warmup, `lr_scale_at`).
         """
-        lr = self.phase_at(epoch).lr_at(epoch + step / steps_per_epoch)
-        return lr * (self.lr_scale(world_size) if world_size else 1.0)
+        at = epoch + step / steps_per_epoch
+        lr = self.phase_at(epoch).lr_at(at)
+        return lr * (self.lr_scale_at(at, world_size) if world_size else 1.0)
 
     def with_epochs(self, epochs: int) -> Recipe:
-        """The same recipe cut (or its last phase stretched) to `epochs` epochs."""
+        """The same recipe cut to `epochs` epochs (the last phase keeps its LR line up to the cut),
+        or every phase stretched by epochs / self.epochs when it is longer (the same LRs at the
+        same fraction of the run)."""
         if epochs <= 0:
             raise RecipeError([f"--epochs must be positive, got {epochs}"])
+        if epochs > self.epochs:
+            # Stretching never merges phases: boundaries at least one epoch apart, scaled by a
+            # factor above 1, stay at least one epoch apart after rounding.
+            factor = epochs / self.epochs
+            edge = lambda e: round(e * factor)  # noqa: E731
+            return dataclasses.replace(
+                self, phases=tuple(dataclasses.replace(p, start=edge(p.start), end=edge(p.end)) for p in self.phases)
+            )
         kept = [p for p in self.phases if p.start < epochs]
         last = kept[-1]
         if last.end != epochs and isinstance(last.lr, tuple):
@@ -214,6 +238,8 @@ class Recipe:
             out.append(f"{where}: world_size must be >= 1, got {self.world_size!r}")
         if self.ema_decay is not None and not (0 < self.ema_decay < 1):
             out.append(f"{where}: ema_decay must be in (0, 1), got {self.ema_decay!r}")
+        if self.scale_warmup_epochs < 0:
+            out.append(f"{where}: scale_warmup_epochs must be >= 0, got {self.scale_warmup_epochs!r}")
         if self.eval_every < 1:
             out.append(f"{where}: eval_every must be >= 1, got {self.eval_every!r}")
         for name in ("val_batch_size", "train_examples", "val_examples"):

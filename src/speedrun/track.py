@@ -127,7 +127,7 @@ def plot_accuracy(evals: list[dict[str, Any]], target: dict | None, path: Path) 
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
     minutes = [e["wall_s"] / 60 for e in evals]
-    epochs = [e["epoch"] + 1 for e in evals]
+    epochs = [e["epoch"] for e in evals]  # 1-based, as printed
     for ax, xs, label in ((axes[0], minutes, "wall time since process start (min)"), (axes[1], epochs, "epoch")):
         ax.plot(xs, [100 * e["top1"] for e in evals], marker="o", label="top-1")
         ax.plot(xs, [100 * e["top5"] for e in evals], marker="s", label="top-5")

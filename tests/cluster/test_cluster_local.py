@@ -170,7 +170,8 @@ def test_sessions_are_replaced_without_a_hitch(local_job):
     # ("server exited unexpectedly"). Likewise right after a job was killed.
     for i in range(12):
         job = local_job(num_tasks=2)
-        assert job.run("echo up") and job.run_dir.endswith(f"run.{i + 1:02d}")
+        assert [r.output for r in job.run("echo up")] == ["up\n", "up\n"]
+        assert job.run_dir.endswith(f"run.{i + 1:02d}")
     job.kill()
     assert local_job(num_tasks=2)[1].run("echo up").output == "up\n"
 

@@ -5,6 +5,7 @@ Nothing here imports torch at package import, so the command line starts quickly
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from speedrun.errors import SpeedrunError
@@ -37,6 +38,15 @@ def build_source(
     """
     if loader != "auto" and recipe.dataset != "imagefolder":
         raise SpeedrunError(f"--loader {loader} applies to image folders; recipe {recipe.name!r} reads {recipe.dataset}")
+    if recipe.dataset != "imagefolder" and path is not None and is_image_folder(path):
+        from speedrun.recipes import BUILTIN
+
+        readers = ", ".join(name for name, r in BUILTIN.items() if r.dataset == "imagefolder")
+        raise SpeedrunError(
+            f"{path} is an image folder (train/ and val/), but recipe {recipe.name!r} reads {recipe.dataset}: "
+            f"use a recipe that reads image folders ({readers}) or a recipe file with "
+            'dataset="imagefolder" (README, "Recipes are Python")'
+        )
     if recipe.dataset == "fashion-mnist":
         from speedrun.data.fashion_mnist import FashionMNIST
 
@@ -60,3 +70,8 @@ def build_source(
             loader=loader,
         )
     raise SpeedrunError(f"unknown dataset {recipe.dataset!r} (choose from fashion-mnist, imagefolder, synthetic)")
+
+
+def is_image_folder(path: str) -> bool:
+    """Whether `path` has the image-folder layout's two splits (train/ and val/)."""
+    return all((Path(path) / split).is_dir() for split in ("train", "val"))
