@@ -1,4 +1,5 @@
 """The command line: bad input gives one clear line on stderr and a non-zero exit, never a traceback."""
+import json
 import subprocess
 
 import pytest
@@ -95,3 +96,32 @@ def test_an_image_folder_with_a_fashion_mnist_recipe_names_the_recipes_that_read
     proc = speedrun("train", "--data", str(tree), "--out", str(tmp_path / "r"))
     assert_one_line_error(proc, "is an image folder", "imagenet-1x8", "dataset=\"imagefolder\"")
     assert "dataset-fashion-mnist" not in proc.stderr
+
+
+def test_a_recipe_file_that_exits_is_an_error_not_a_silent_success(tmp_path):
+    recipe = tmp_path / "exits.py"
+    recipe.write_text("import sys\nsys.exit(0)\n")
+    assert_one_line_error(speedrun("train", "--recipe", str(recipe), "--out", str(tmp_path / "r")), "called exit(0)")
+
+
+def test_files_skipped_at_indexing_are_counted_in_the_results(tmp_path):
+    from test_data_helpers import make_tree
+
+    tree = make_tree(tmp_path / "tree", classes=2, train_per_class=8, val_per_class=2, sizes=[(40, 40)])
+    (tree / "train/c00/broken.JPEG").write_text("not an image")
+    (tree / "train/c01/x").symlink_to("../c00")
+    recipe = tmp_path / "folder.py"
+    recipe.write_text(
+        "from speedrun import Phase, Recipe\n"
+        "recipe = Recipe(name='folder', dataset='imagefolder', model='resnet-fmnist-tiny',\n"
+        "                phases=(Phase(0, 1, size=32, batch_size=4, lr=0.05),))\n"
+    )
+    proc = speedrun("train", "--recipe", str(recipe), "--data", str(tree), "--device", "cpu", "--workers", "1",
+                    "--out", str(tmp_path / "r"))
+    assert proc.returncode == 0, proc.stderr
+    skipped = json.loads((tmp_path / "r" / "results.json").read_text())["skipped_images"]
+    assert skipped == {"at_index": 2, "files": 0, "failures": 0}
+
+    one = make_tree(tmp_path / "one", classes=1, train_per_class=4, val_per_class=1, sizes=[(40, 40)])
+    assert_one_line_error(speedrun("train", "--recipe", str(recipe), "--data", str(one), "--device", "cpu",
+                                   "--out", str(tmp_path / "r1")), "has 1 class", "at least 2")

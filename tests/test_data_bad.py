@@ -16,6 +16,7 @@ import torch
 from PIL import Image
 
 from speedrun.data.base import Shard
+from speedrun.errors import SpeedrunError
 from speedrun.data.imagefolder import ImageFolderSource
 from speedrun.data.index import load_index
 from speedrun.data.prepare import REPORT_NAME, prepare
@@ -167,8 +168,6 @@ def test_empty_class_folders_keep_their_label_and_warn(tmp_path, caplog):
 
 
 def test_all_bad_tree_is_a_clear_error(tmp_path):
-    from speedrun.errors import SpeedrunError
-
     root = tmp_path / "d"
     (root / "train" / "a").mkdir(parents=True)
     (root / "val" / "a").mkdir(parents=True)
@@ -193,3 +192,61 @@ def test_prepare_reports_bad_images_and_copies_the_rest(tmp_path):
     for name in ("cmyk.JPEG", "png.JPEG"):
         with Image.open(tmp_path / "sz/64/train/c00" / name) as img:
             assert img.format == "JPEG" and img.mode == "RGB" and min(img.size) == 64
+
+
+@pytest.mark.parametrize("link, target", [
+    ("train/c00/x", ".."),  # the split: every other class again, labelled c00
+    ("train/c00/x", "../.."),  # the root: val's images into training
+    ("train/c00/x", "../c01"),  # another class
+    ("train/c00/x", "../../val/c00"),  # the other split's same class
+    ("val/c01/x", "../../train/c01"),  # training images into validation
+])
+def test_a_folder_symlink_out_of_its_class_is_reported_and_not_followed(tmp_path, link, target):
+    # A link must never make one file count twice or under two labels, nor cross between splits.
+    root = make_tree(tmp_path / "d", classes=3, train_per_class=2, val_per_class=2)
+    (root / link).symlink_to(target)
+    idx = load_index(root, workers=1)
+    assert (len(idx.train), len(idx.val)) == (6, 6)
+    assert sorted(np.bincount(idx.train.labels).tolist()) == [2, 2, 2]
+    assert [b.path for b in idx.bad] == [link] and "not used" in idx.bad[0].reason
+
+
+def test_links_inside_a_class_or_out_of_the_tree_are_used_once(tmp_path):
+    root = make_tree(tmp_path / "d", classes=2, train_per_class=2, val_per_class=1)
+    extra = make_tree(tmp_path / "extra", classes=1, train_per_class=3, val_per_class=1)
+    (root / "train/c00/more").symlink_to(extra / "train/c00")  # outside the tree: used
+    (root / "train/c01/same").symlink_to(extra / "train/c00")  # the same folder again: used once
+    (root / "train/c00/again").symlink_to(".")  # a loop inside the class
+    (root / "train/c01/dup.JPEG").symlink_to(root / "train/c01/img000.JPEG")  # a file twice
+    idx = load_index(root, workers=1)
+    assert np.bincount(idx.train.labels).tolist() == [2 + 3, 2]
+    reasons = {b.path: b.reason for b in idx.bad}
+    assert set(reasons) == {"train/c01/same", "train/c00/again", "train/c01/dup.JPEG"}
+    assert "used once" in reasons["train/c01/dup.JPEG"]
+
+
+def test_prepare_copies_no_image_twice_through_a_link(tmp_path):
+    root = make_tree(tmp_path / "d", classes=2, train_per_class=2, val_per_class=1, sizes=[(120, 90)])
+    (root / "train/c00/x").symlink_to("../..")
+    prepare(root, tmp_path / "sz", [48], workers=1, progress=False)
+    copied = sorted(str(p.relative_to(tmp_path / "sz" / "48")) for p in (tmp_path / "sz" / "48").rglob("*.JPEG"))
+    assert len(copied) == 6 and not any("/x/" in c for c in copied)
+
+
+def test_a_file_the_system_refused_to_read_is_read_again_next_time(tmp_path, monkeypatch):
+    # A permission or I/O error is not a property of the file: not remembered in the cache.
+    # (As root, chmod cannot make a file unreadable, so the refusal is injected into PIL.)
+    root = make_tree(tmp_path / "d", classes=2, train_per_class=2, val_per_class=1)
+    refused = str(root / "train/c00/img001.JPEG")
+    real_open = Image.open
+
+    def open_refusing(path, *a, **k):
+        if str(path) == refused:
+            raise PermissionError(13, "Permission denied", refused)
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr(Image, "open", open_refusing)
+    first = load_index(root, workers=1)
+    assert len(first.train) == 3 and "Permission denied" in first.bad[0].reason
+    monkeypatch.setattr(Image, "open", real_open)
+    assert len(load_index(root, workers=1).train) == 4

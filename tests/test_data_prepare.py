@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+from pathlib import Path
 
 import pytest
 from PIL import Image
@@ -13,6 +15,7 @@ from speedrun.data.base import Shard
 from speedrun.data.imagefolder import ImageFolderSource
 from speedrun.data.prepare import prepare
 from speedrun.recipe import Phase
+from cli_run import wait_for
 from test_data_helpers import make_tree
 
 
@@ -60,11 +63,16 @@ def test_resume_skips_finished_files_and_redoes_missing_ones(tmp_path, monkeypat
     gone = dst / "64/train/c01/img000.JPEG"
     stamp = done.stat().st_mtime_ns
     gone.unlink()
-    # A leftover temporary file from a killed run is not a finished output.
-    (dst / "64/train/c01/img000.JPEG.123.tmp").write_bytes(b"partial")
+    # A leftover temporary file from a killed run is not a finished output, and is removed.
+    ended = subprocess.Popen(["true"])
+    ended.wait()  # a process that has ended: its pid is no one's
+    killed = dst / f".partial-{ended.pid}"
+    killed.mkdir()
+    (killed / "img000.JPEG").write_bytes(b"partial")
     s = prepare(src, dst, [64], workers=1, progress=False)
     assert (s.resized, s.skipped) == (1, 7)
     assert gone.is_file() and done.stat().st_mtime_ns == stamp
+    assert not killed.exists()
 
 
 def test_interrupted_write_leaves_no_finished_looking_file(tmp_path, monkeypatch):
@@ -76,11 +84,11 @@ def test_interrupted_write_leaves_no_finished_looking_file(tmp_path, monkeypatch
         raise KeyboardInterrupt
 
     task = prepare_mod._Task(str(src / "train/c00/img000.JPEG"), "train/c00/img000.JPEG",
-                             ((64, str(tmp_path / "out.JPEG")),), 90)
+                             ((64, str(tmp_path / "out.JPEG")),), 90, str(tmp_path / ".partial"))
     monkeypatch.setattr(Image.Image, "save", boom)
     with pytest.raises(KeyboardInterrupt):
         prepare_mod.resize_one(task)
-    assert list(tmp_path.glob("out.JPEG*")) == []
+    assert list(tmp_path.glob("out.JPEG*")) == [] and list(tmp_path.glob(".partial-*/*")) == []
 
 
 def test_trainer_reads_the_copy_named_by_the_phase_and_falls_back_once(tmp_path, caplog):
@@ -129,3 +137,42 @@ def test_cli_index_summarises(tmp_path, capsys):
     assert main(["data", "index", str(src)]) == 0
     out = capsys.readouterr().out
     assert "train: 4 images" in out and "val: 2 images" in out and os.fspath(src) in out
+
+
+def test_workers_die_with_a_killed_prepare_and_a_rerun_finishes_cleanly(tmp_path):
+    # kill -9 of the main process (what the OOM killer does) must not leave workers writing.
+    src = make_tree(tmp_path / "d", classes=2, train_per_class=150, val_per_class=5, sizes=[(640, 480)])
+    dst = tmp_path / "sz"
+    main_proc = subprocess.Popen(["python", "-m", "speedrun", "data", "prepare", str(src), str(dst), "--sizes", "64",
+                                  "--workers", "2"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    done = lambda: len(list((dst / "64").rglob("*.JPEG"))) if (dst / "64").exists() else 0  # noqa: E731
+    wait_for(lambda: done() >= 10 or main_proc.poll() is not None, 120, "the first outputs")
+    assert main_proc.poll() is None, "prepare finished before it could be killed; make the tree larger"
+    workers = children(main_proc.pid)
+    assert workers
+    main_proc.kill()
+    main_proc.wait()
+    wait_for(lambda: not any(Path(f"/proc/{pid}").exists() and not zombie(pid) for pid in workers), 30,
+             "the workers to die with their parent")
+    written = done()
+    assert prepare(src, dst, [64], workers=1, progress=False).resized == 310 - written
+    assert len(list((dst / "64").rglob("*.JPEG"))) == 310 and not list(dst.glob(".partial-*"))
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return False

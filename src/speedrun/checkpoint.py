@@ -42,22 +42,27 @@ class CheckpointWriter:
     def __init__(self) -> None:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._writing: str | None = None
+        self.last_written: str | None = None  # the `label` of the last save that reached the disk
 
     @property
     def busy(self) -> bool:
         """A write is in progress."""
         return self._thread is not None and self._thread.is_alive()
 
-    def save(self, state: dict[str, Any], path: str | os.PathLike) -> None:
-        """Copy `state` now and write it to `path` (atomically) in the background."""
+    def save(self, state: dict[str, Any], path: str | os.PathLike, label: str | None = None) -> None:
+        """Copy `state` now and write it to `path` (atomically) in the background. `label` names
+        it in `last_written` once it is on disk (e.g. "epoch 3")."""
         snapshot = copy_to_cpu(state)
         self.wait()
+        self._writing = label or str(path)
         self._thread = threading.Thread(target=self._write, args=(snapshot, Path(path)), name="checkpoint-writer")
         self._thread.start()
 
     def _write(self, state: dict[str, Any], path: Path) -> None:
         try:
             save_atomic(state, path)
+            self.last_written = self._writing
         except BaseException as e:  # noqa: BLE001 - handed to the training thread
             self._error = e
 

@@ -6,6 +6,8 @@ Read `train` top to bottom for the whole story; the helpers below it each do one
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import errno
 import math
 import os
 import platform
@@ -23,7 +25,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import speedrun
-from speedrun import checkpoint
+from speedrun import checkpoint, rundir
 from speedrun.data import build_source
 from speedrun.data.base import DataSource, TrainStream, normalize_on_device
 from speedrun.dist import DistContext, all_reduce_sum, average_buffers, broadcast_object, init_distributed, pick_device, shutdown
@@ -83,15 +85,22 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     check_device_options(cfg, device_kind)
     ctx = init_distributed(device_kind)
     restore_sigterm = stop_on_sigterm()
+    run_dir = None
     try:
-        cfg.out = resolve_run_dir(cfg, ctx)
+        run_dir = claim_run_dir(cfg, ctx)
+        cfg = dataclasses.replace(cfg, out=run_dir.path)
         configure_determinism(cfg, ctx)
         source = build_source(recipe, cfg.data, ctx.device, cfg.workers, cfg.copies, cfg.loader)
+        if source.num_classes < 2:
+            raise SpeedrunError(f"{source.name} has {source.num_classes} class: every label would be the same; "
+                                "a classifier needs at least 2 (one folder per class)")
         learner = build_learner(cfg, ctx, source)
         state = RunState(world_size=ctx.world_size)
         if cfg.resume:
-            state = restore(cfg.out / "checkpoint.pt", learner, recipe, ctx.world_size)
+            state = restore(cfg.out / "checkpoint.pt", learner, cfg, ctx.world_size)
         tracker = Tracker(cfg.out, enabled=ctx.is_main, resume_step=state.step if cfg.resume else None)
+        if run_dir.note:
+            tracker.print(run_dir.note)
         try:
             results = run_epochs(cfg, ctx, source, learner, state, tracker)
         finally:
@@ -99,6 +108,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             source.close()
         return results
     finally:
+        if run_dir is not None:
+            run_dir.release()
         restore_sigterm()
         shutdown(ctx)
 
@@ -121,6 +132,7 @@ def run_epochs(
     clock = Clock(cfg.process_start, state)
     streams = PhaseStreams(source, ctx, cfg.seed)
     writer = checkpoint.CheckpointWriter()
+    resumed_from = f"{cfg.out / 'checkpoint.pt'} (after epoch {state.epoch})" if cfg.resume else None
     status = "interrupted"
     # A resumed run that had reached its target is complete: nothing more to train.
     first_epoch = state.epoch if state.target_epoch is None else recipe.epochs
@@ -157,6 +169,21 @@ def run_epochs(
     except torch.distributed.DistError as e:
         status = "failed"
         raise TrainingFailed(f"a collective failed, {PEER_DIED}: {str(e).splitlines()[0]}") from None
+    except OSError as e:
+        status = "failed"
+        in_run_dir = e.filename is None or Path(os.fsdecode(e.filename)).absolute().is_relative_to(cfg.out.absolute())
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.ENOENT) or not in_run_dir:
+            raise
+        # The machine's fault, not speedrun's: one line, with what can be continued.
+        where = f"{e.strerror}: {os.fsdecode(e.filename) if e.filename else 'checkpoint'}"
+        if e.errno == errno.ENOENT:
+            raise SpeedrunError(f"the run directory {cfg.out} (or part of it) was removed during the run ({where})") from None
+        complete = writer.last_written or resumed_from  # a failed write left the previous file intact
+        raise SpeedrunError(
+            f"cannot write to the run directory {cfg.out} ({where}); "
+            + (f"the last complete checkpoint is {complete}: free space and continue with --resume"
+               if complete else "no checkpoint was completed: free space and start again")
+        ) from None
     finally:
         streams.close()
         # Already failing or interrupted: let the last checkpoint reach the disk; the error that
@@ -165,11 +192,14 @@ def run_epochs(
             writer.wait()
         state.train_s = clock.train_s()
         results = build_results(cfg, ctx, state, evals, status, clock.session_start, learner.precision)
-        bad = getattr(source, "bad_images", None)  # image folders count files they had to skip
-        results["skipped_images"] = {"files": len(bad.files), "failures": bad.count} if bad is not None else None
+        results["skipped_images"] = source.skipped_images()
+        results["last_checkpoint"] = writer.last_written or resumed_from  # complete on disk; None: none
         results["loader"] = loader
-        tracker.write_results(results)
-        tracker.plot(evals, asdict(recipe.target) if recipe.target else None)
+        try:
+            tracker.write_results(results)
+            tracker.plot(evals, asdict(recipe.target) if recipe.target else None)
+        except OSError as e:  # a full disk: the error above says so; the checkpoint is what counts
+            tracker.print(f"results.json not written: {e.strerror}")
     return results
 
 
@@ -323,22 +353,21 @@ def default_run_dir(recipe_name: str) -> Path:
     return Path("runs") / f"{recipe_name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def resolve_run_dir(cfg: TrainConfig, ctx: DistContext) -> Path:
-    """The run directory, decided on rank 0 and shared, so that every rank writes to the same
-    place; refuses to overwrite an earlier run's results unless resuming it."""
-    decision = None
+def claim_run_dir(cfg: TrainConfig, ctx: DistContext) -> rundir.RunDir:
+    """The run directory, claimed (checked, locked, cleared of a dead run's leftovers) on rank 0
+    and shared, so that every rank writes to the same place; see speedrun.rundir."""
+    claimed, decision = None, None
     if ctx.is_main:
         out = cfg.out or default_run_dir(cfg.recipe.name)
-        problem = None
-        if cfg.resume and not (out / "checkpoint.pt").is_file():
-            problem = f"--resume: no checkpoint at {out / 'checkpoint.pt'}; start without --resume or point --out at the run"
-        elif not cfg.resume and any((out / name).exists() for name in ("checkpoint.pt", "results.json")):
-            problem = f"{out} already holds a run; continue it with --resume or choose another --out"
-        decision = (str(out), problem)
+        try:
+            claimed = rundir.claim(out, cfg.resume)
+            decision = (str(out), None)
+        except SpeedrunError as e:
+            decision = (str(out), str(e))
     out, problem = broadcast_object(decision, ctx)
     if problem:
         raise SpeedrunError(problem)
-    return Path(out)
+    return claimed or rundir.RunDir(Path(out), lock=None)
 
 
 # -- one step at a time ------------------------------------------------------------------------
@@ -573,18 +602,28 @@ def save_checkpoint(writer: checkpoint.CheckpointWriter, path: Path, learner: Le
             "state": asdict(state),
             "recipe": cfg.recipe.to_dict(),
             "data": cfg.data,  # where `speedrun eval` finds the validation split
+            "seed": cfg.seed,  # a resume must use the same, or it would not continue the same run
+            "deterministic": cfg.deterministic,
             "rng": checkpoint.rng_state(),
             "speedrun": speedrun.__version__,
         },
         path,
+        label=f"{path} (after epoch {state.epoch})",
     )
 
 
-def restore(path: Path, learner: Learner, recipe: Recipe, world_size: int) -> RunState:
-    """Load a checkpoint into the learner; the recipe and the number of processes must be the
-    ones it was made with (another world size would change the global batch and the LR mid-run)."""
-    saved = checkpoint.load(path)
-    if Recipe.from_dict(saved["recipe"]) != recipe:
+def restore(path: Path, learner: Learner, cfg: TrainConfig, world_size: int) -> RunState:
+    """Load a checkpoint into the learner. The recipe, the number of processes, the seed and
+    --deterministic must be the ones it was made with: another world size would change the global
+    batch and the LR mid-run, another seed the data order; the run would not continue, it would
+    become a different one."""
+    try:
+        saved = checkpoint.load(path)
+    except SpeedrunError as e:
+        raise SpeedrunError(f"--resume: {e}; it cannot be continued: start over in another --out") from None
+    if not isinstance(saved, dict) or not {"recipe", "model", "optimizer", "state"} <= set(saved):
+        raise SpeedrunError(f"--resume: {path} is not a speedrun checkpoint; start over in another --out")
+    if Recipe.from_dict(saved["recipe"]) != cfg.recipe:
         raise SpeedrunError(f"--resume: {path} was made with a different recipe ({saved['recipe']['name']}); resume with the same one")
     state = RunState(**saved["state"])
     if state.world_size is not None and state.world_size != world_size:
@@ -592,6 +631,10 @@ def restore(path: Path, learner: Learner, recipe: Recipe, world_size: int) -> Ru
             f"--resume: {path} was trained on {processes(state.world_size)} and this run has {processes(world_size)}: "
             f"the global batch and LR would change mid-run; resume on {processes(state.world_size)}"
         )
+    for name, now in (("seed", cfg.seed), ("deterministic", cfg.deterministic)):
+        if name in saved and saved[name] != now:
+            flag = f"--seed {saved[name]}" if name == "seed" else ("--deterministic" if saved[name] else "no --deterministic")
+            raise SpeedrunError(f"--resume: the run was made with {flag}; resume with the same (this run has {name} {now})")
     state.world_size = world_size  # checkpoints before this field: unknown, taken as this run's
     learner.model.load_state_dict(saved["model"])
     if learner.ema is not None:

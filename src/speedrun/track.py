@@ -12,6 +12,7 @@ Run directory layout (`--out DIR`):
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 from pathlib import Path
@@ -19,6 +20,8 @@ from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from speedrun.errors import SpeedrunError
 
 
 class Tracker:
@@ -80,22 +83,29 @@ class Tracker:
             self._progress.stop()
             self._progress = None
         if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+            tb, self._tb = self._tb, None
+            try:
+                tb.close()
+            except OSError:  # the run directory is gone or full: the run's own error says so
+                pass
 
     # -- numbers ---------------------------------------------------------------------------
     def log_step(self, record: dict[str, Any]) -> None:
         """One training-step record: step, epoch, loss, lr."""
         if not self.enabled:
             return
+        # The JSONL line first, on this thread: when the run directory has gone (or the disk is
+        # full) the error is raised here, before TensorBoard's writer thread meets it.
+        _append_jsonl(self.run_dir / "steps.jsonl", record)
         self._tb.add_scalar("train/loss", record["loss"], record["step"])
         self._tb.add_scalar("train/lr", record["lr"], record["step"])
-        _append_jsonl(self.run_dir / "steps.jsonl", record)
 
     def log_epoch(self, record: dict[str, Any]) -> None:
         """One epoch's speed record: step, epoch, size, batch_size, images_per_s, epoch_s, memory_mb."""
         if not self.enabled:
             return
+        if not (self.run_dir / "tb").is_dir():  # as in log_step: fail here, not in TensorBoard's thread
+            raise FileNotFoundError(errno.ENOENT, "the run directory's tb/ folder is gone", str(self.run_dir / "tb"))
         for key in ("size", "batch_size", "images_per_s", "epoch_s", "memory_mb"):
             self._tb.add_scalar(f"train/{key}", record[key], record["step"])
 
@@ -103,10 +113,10 @@ class Tracker:
         """One evaluation: epoch, step, loss, top1, top5, wall_s, size."""
         if not self.enabled:
             return
+        _append_jsonl(self.run_dir / "metrics.jsonl", record)  # first: see log_step
         for key in ("loss", "top1", "top5"):
             self._tb.add_scalar(f"val/{key}", record[key], record["step"])
         self._tb.flush()
-        _append_jsonl(self.run_dir / "metrics.jsonl", record)
 
     def write_results(self, results: dict[str, Any]) -> None:
         if self.enabled:
@@ -165,8 +175,22 @@ def _write_text_atomic(path: Path, text: str) -> None:
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """The records of a JSONL file (empty when it does not exist)."""
+    """The records of a JSONL file (empty when it does not exist). A last line cut short (the
+    disk filled up, the power went) is dropped: that record was never complete. A damaged line
+    anywhere else is a SpeedrunError naming the file and the line."""
     path = Path(path)
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    text = path.read_text()
+    lines = text.split("\n")
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            if number == len(lines):  # no newline after it: the write was cut short
+                continue
+            raise SpeedrunError(f"{path}, line {number}: not a JSON record ({line[:60]!r}); fix or remove the line") from None
+    return records

@@ -68,6 +68,8 @@ class DataSource(Protocol):
 
     def val_batches(self, size: int, batch_size: int, rect: bool, shard: Shard) -> Iterable[Batch]: ...
 
+    def skipped_images(self) -> dict[str, int] | None: ...  # files left out so far; None: never any
+
     def close(self) -> None: ...
 
 

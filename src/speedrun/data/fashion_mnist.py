@@ -155,6 +155,10 @@ class FashionMNIST:
             images = self.val_images[b * batch_size : (b + 1) * batch_size]
             yield resize_batch(images, size), self.val_labels[b * batch_size : (b + 1) * batch_size]
 
+    def skipped_images(self) -> None:
+        """Nothing is ever skipped: the images are tensors in memory."""
+        return None
+
     def close(self) -> None:
         pass
 

@@ -322,6 +322,12 @@ class ImageFolderSource:
         self.num_train = len(self._train_split(None))
         self.num_val = len(self._val_split(None))
 
+    def skipped_images(self) -> dict[str, int]:
+        """Files left out so far: at indexing (unusable, or links not followed) and while
+        decoding (distinct files, and failures counting repeats)."""
+        return {"at_index": len(self.index(None).bad), "files": len(self.bad_images.files),
+                "failures": self.bad_images.count}
+
     # -- trees -----------------------------------------------------------------------------
 
     def copy_root(self, copy: int | None) -> Path:

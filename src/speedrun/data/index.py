@@ -2,8 +2,11 @@
 
 Layout (ImageNet's): ``ROOT/train/<class>/**/<image>`` and ``ROOT/val/<class>/**/<image>``.
 Classes are the sub-folders of ``train`` in sorted order (label = position); a ``val`` class
-that ``train`` lacks is an error. Images may sit in nested folders under their class folder;
-folder symlinks are followed once (a loop is detected and reported, never walked forever).
+that ``train`` lacks is an error. Images may sit in nested folders under their class folder.
+Symlinks (to folders or files) are followed where they stay inside their class folder or leave
+the tree; one that leads to another class or the other split is reported and not used, so no
+image is ever labelled twice or crosses from val/ into train/. A folder or file reached twice
+(a loop, two links to one place, hard links) is used once and the repeat reported.
 
 Building the index reads only each image's header (a few hundred bytes), in parallel on all
 cores, with a progress bar. The index is cached as ``ROOT/.speedrun-index.npz`` or, when ROOT is
@@ -101,25 +104,53 @@ def _is_image_name(name: str) -> bool:
     return name.lower().endswith(IMAGE_EXTENSIONS)
 
 
-def _walk_class(root: Path, split: str, cls: str, bad: list[BadFile]) -> Iterator[_Entry]:
-    """Every image-named file under ``root/split/cls``, following folder symlinks without loops."""
+class _Walk:
+    """What one index walk has already seen, across every class of both splits: a folder or a
+    file reached twice (through symlinks or hard links) is used once, never under two labels."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.root_real = root.resolve()
+        self.folders: set[tuple[int, int]] = set()  # (st_dev, st_ino)
+        self.files: dict[tuple[int, int], str] = {}  # (st_dev, st_ino) -> the path it was first indexed as
+        self.bad: list[BadFile] = []
+
+    def escapes(self, path: str, home: Path) -> Path | None:
+        """Where the link at `path` really leads, when that is inside the tree but outside
+        `home` (the real path of its class folder): another class, or the other split. Links to
+        places outside the tree are fine (and deduplicated); None when the link may be used."""
+        target = Path(os.path.realpath(path))
+        if target.is_relative_to(self.root_real) and not target.is_relative_to(home):
+            return target
+        return None
+
+
+def _walk_class(walk: _Walk, split: str, cls: str) -> Iterator[_Entry]:
+    """Every image-named file under ``root/split/cls``, following symlinks only where they stay in
+    the class (or leave the tree), each folder and file once."""
+    root, bad = walk.root, walk.bad
     top = root / split / cls
     # String slicing, not Path.relative_to: this runs once per file (1.3M times for ImageNet).
     cut = len(str(root)) + 1
-    seen: set[tuple[int, int]] = set()
+    if top.is_symlink() and walk.escapes(str(top), walk.root_real / split) is not None:
+        bad.append(BadFile(str(top)[cut:], f"class folder links to {os.path.realpath(top)}, outside {split}/: not used"))
+        return
+    home = top.resolve()
     stack = [top]
     while stack:
         folder = stack.pop()
+        rel_folder = str(folder)[cut:]
         try:
             st = folder.stat()
             key = (st.st_dev, st.st_ino)
-            if key in seen:
-                bad.append(BadFile(str(folder)[cut:], "folder symlink loop (already visited)"))
+            if key in walk.folders:
+                bad.append(BadFile(rel_folder, "folder reached a second time through a symlink: its images are used once"))
                 continue
-            seen.add(key)
-            entries = sorted(os.scandir(folder), key=lambda e: e.name)
+            walk.folders.add(key)
+            # Real files before links, so that a file reached both ways is reported as the link.
+            entries = sorted(os.scandir(folder), key=lambda e: (e.is_symlink(), e.name))
         except OSError as e:
-            bad.append(BadFile(str(folder)[cut:], f"cannot list folder: {e.strerror or e}"))
+            bad.append(BadFile(rel_folder, f"cannot list folder: {e.strerror or e}"))
             continue
         subfolders = []
         for entry in entries:
@@ -130,11 +161,17 @@ def _walk_class(root: Path, split: str, cls: str, bad: list[BadFile]) -> Iterato
                 if _is_image_name(entry.name):
                     bad.append(BadFile(rel, f"cannot stat: {e.strerror or e}"))
                 continue
+            if not is_dir and not _is_image_name(entry.name):
+                continue  # README, .DS_Store, labels files: not images, silently ignored
+            if entry.is_symlink():
+                target = walk.escapes(entry.path, home)
+                if target is not None:
+                    what = "folder" if is_dir else "file"
+                    bad.append(BadFile(rel, f"{what} symlink to {target} leaves its class folder {split}/{cls}: not used"))
+                    continue
             if is_dir:
                 subfolders.append(Path(entry.path))
                 continue
-            if not _is_image_name(entry.name):
-                continue  # README, .DS_Store, labels files: not images, silently ignored
             try:
                 st = entry.stat(follow_symlinks=True)
             except OSError as e:
@@ -146,6 +183,10 @@ def _walk_class(root: Path, split: str, cls: str, bad: list[BadFile]) -> Iterato
                 continue
             if st.st_size == 0:
                 bad.append(BadFile(rel, "zero bytes"))
+                continue
+            first = walk.files.setdefault((st.st_dev, st.st_ino), rel)
+            if first != rel:
+                bad.append(BadFile(rel, f"the same file as {first} (a link): used once"))
                 continue
             yield _Entry(rel, split, cls, st.st_size, st.st_mtime_ns)
         stack.extend(reversed(subfolders))  # depth-first, in name order
@@ -174,8 +215,18 @@ def _check_layout(root: Path) -> None:
 # Reading headers
 
 
-def read_header(path: str) -> tuple[int, int] | str:
-    """(width, height) in pixels from an image's header, or a one-line reason it is unusable."""
+@dataclass(frozen=True)
+class Unreadable:
+    """Why a file could not be read as an image. `transient`: the system refused to read it
+    (permissions, I/O error, gone), which may pass; it is not remembered in the cache. Otherwise
+    the file's content is not a usable image, remembered until the file changes."""
+
+    reason: str
+    transient: bool = False
+
+
+def read_header(path: str) -> tuple[int, int] | Unreadable:
+    """(width, height) in pixels from an image's header, or why it is unusable."""
     from PIL import Image
 
     try:
@@ -185,17 +236,19 @@ def read_header(path: str) -> tuple[int, int] | str:
             with Image.open(path) as img:
                 width, height = img.size
     except Exception as e:  # any decoder error means: not a usable image
-        return f"{type(e).__name__}: {e}".splitlines()[0][:200]
+        # PIL's "cannot identify image file" is an OSError too, but without an errno.
+        transient = isinstance(e, OSError) and e.errno is not None
+        return Unreadable(f"{type(e).__name__}: {e}".splitlines()[0][:200], transient)
     if width <= 0 or height <= 0:
-        return f"bad size {width}x{height}"
+        return Unreadable(f"bad size {width}x{height}")
     return width, height
 
 
-def _read_headers(paths: list[str]) -> list[tuple[int, int] | str]:
+def _read_headers(paths: list[str]) -> list[tuple[int, int] | Unreadable]:
     return [read_header(p) for p in paths]
 
 
-def _header_pool_map(paths: list[str], workers: int, progress_label: str) -> list[tuple[int, int] | str]:
+def _header_pool_map(paths: list[str], workers: int, progress_label: str) -> list[tuple[int, int] | Unreadable]:
     """read_header over many files on `workers` processes, with a rich progress bar."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -309,13 +362,14 @@ def load_index(root: str | os.PathLike, workers: int | None = None, classes: lis
     if extra:
         raise SpeedrunError(f"{root}/train has class folders the full-size tree lacks: {', '.join(extra[:5])}")
 
-    bad: list[BadFile] = []
+    walk = _Walk(root)
     entries = [
         e
         for split, names in (("train", train_classes), ("val", val_classes))
         for cls in names
-        for e in _walk_class(root, split, cls, bad)
+        for e in _walk_class(walk, split, cls)
     ]
+    bad = walk.bad
 
     cache = cache_path(root)
     with _locked(cache):
@@ -335,10 +389,11 @@ def load_index(root: str | os.PathLike, workers: int | None = None, classes: lis
         for e in entries:
             if e.rel in fresh:
                 h = fresh[e.rel]
-                if isinstance(h, str):
-                    bad.append(BadFile(e.rel, h))
-                    # Remember bad files too (width 0) so an unchanged bad file is not re-read.
-                    rows[e.rel] = (e.size, e.mtime_ns, 0, 0)
+                if isinstance(h, Unreadable):
+                    bad.append(BadFile(e.rel, h.reason))
+                    if not h.transient:
+                        # Remember bad files too (width 0) so an unchanged bad file is not re-read.
+                        rows[e.rel] = (e.size, e.mtime_ns, 0, 0)
                     continue
                 w, hgt = h
             else:

@@ -6,15 +6,20 @@ after a DCT-scaled decode), saved as JPEG at `quality`. An image whose shorter s
 <= N is never upscaled: its bytes are copied unchanged. Every class folder is created, empty or
 not, so a copy has exactly the source's classes.
 
-Resumable: each output is written to a temporary name and renamed when complete, so an existing
-output is a finished one and is skipped on the next run. All cores work in parallel; a bad
+Resumable: each output is written to a temporary file in ``DST/.partial-<pid>/`` and renamed
+into place when complete, so an existing output is a finished one and is skipped on the next run;
+the next run also removes the temporary files of a run that was killed. Worker processes die
+with the process that started them (even when it is killed with SIGKILL, as the OOM killer
+does), so nothing is written after the command has ended. All cores work in parallel; a bad
 image is listed in ``DST/prepare-report.tsv`` (path, reason) and skipped. Each copy's index is
 built at the end, so the first training run does not have to.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
+import signal
 import time
 import warnings
 from concurrent.futures import ProcessPoolExecutor
@@ -56,10 +61,47 @@ class _Task:
     rel: str
     outputs: tuple[tuple[int, str], ...]  # (size px, destination path)
     quality: int
+    partial: str  # DST/.partial: temporary files go to <partial>-<worker pid>/
 
 
-def _atomic_save(img: Image.Image, dst: str, quality: int) -> None:
-    tmp = f"{dst}.{os.getpid()}.tmp"
+PARTIAL = ".partial"
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with_parent() -> None:
+    """Pool worker initializer: the kernel kills this worker when its parent dies (Linux)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: the pool's own shutdown is all there is
+        pass
+
+
+def _remove_dead_partials(dst: Path) -> None:
+    """Temporary folders of earlier runs whose process is gone (killed mid-write)."""
+    for folder in dst.glob(f"{PARTIAL}-*"):
+        pid = folder.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (a killed worker nobody has reaped yet)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def _temporary(partial: str, dst: str) -> str:
+    """A temporary path for `dst` in this worker's own folder under DST (same file system)."""
+    folder = f"{partial}-{os.getpid()}"
+    os.makedirs(folder, exist_ok=True)
+    return os.path.join(folder, os.path.basename(dst))
+
+
+def _atomic_save(img: Image.Image, dst: str, quality: int, partial: str) -> None:
+    tmp = _temporary(partial, dst)
     try:
         img.save(tmp, "JPEG", quality=quality)
         os.replace(tmp, dst)
@@ -68,8 +110,8 @@ def _atomic_save(img: Image.Image, dst: str, quality: int) -> None:
             os.unlink(tmp)
 
 
-def _atomic_copy(src: str, dst: str) -> None:
-    tmp = f"{dst}.{os.getpid()}.tmp"
+def _atomic_copy(src: str, dst: str, partial: str) -> None:
+    tmp = _temporary(partial, dst)
     try:
         shutil.copyfile(src, tmp)
         os.replace(tmp, dst)
@@ -103,12 +145,12 @@ def resize_one(task: _Task) -> tuple[int, int, int, str | None]:
                 img.load()
                 for n, dst in todo:
                     if n >= short:
-                        _atomic_copy(task.src, dst)  # never upscale: keep the original bytes
+                        _atomic_copy(task.src, dst, task.partial)  # never upscale: keep the original bytes
                         copied += 1
                         continue
                     w, h = img.size
                     size = (n, max(1, round(h * n / w))) if w <= h else (max(1, round(w * n / h)), n)
-                    _atomic_save(img.resize(size, Image.Resampling.LANCZOS), dst, task.quality)
+                    _atomic_save(img.resize(size, Image.Resampling.LANCZOS), dst, task.quality, task.partial)
                     resized += 1
     except Exception as e:  # a bad image: reported, never fatal
         return resized, copied, skipped, f"{type(e).__name__}: {e}".splitlines()[0][:200]
@@ -146,8 +188,15 @@ def prepare(
     inside = [src.resolve()] + [src.resolve() / s for s in ("train", "val")]
     if any(dst.resolve() == p or p in dst.resolve().parents for p in inside[1:]) or dst.resolve() == inside[0]:
         raise SpeedrunError(f"DST {dst} must not be SRC or inside SRC's train/val folders")
+    blocker = next((p for p in (dst, *dst.parents) if p.exists()), None)
+    if blocker is not None and not blocker.is_dir():
+        raise SpeedrunError(f"DST {dst}: {blocker} is a file, not a folder")
+    if blocker is not None and not os.access(blocker, os.W_OK | os.X_OK):
+        raise SpeedrunError(f"DST {dst}: {blocker} is not writable by this user")
     workers = workers or os.cpu_count() or 1
     index = load_index(src, workers=workers)
+    if dst.is_dir():
+        _remove_dead_partials(dst)
     sizes = sorted(set(sizes))
 
     tasks = []
@@ -163,14 +212,14 @@ def prepare(
                 out = dst / str(n) / rel
                 out.parent.mkdir(parents=True, exist_ok=True)  # nested folders inside a class
                 outputs.append((n, str(out)))
-            tasks.append(_Task(str(src / rel), rel, tuple(outputs), quality))
+            tasks.append(_Task(str(src / rel), rel, tuple(outputs), quality, str(dst / PARTIAL)))
 
     summary = PrepareSummary(workers=workers)
     summary.bad = [(b.path, b.reason) for b in index.bad]
     start = time.perf_counter()
     with _progress(progress) as bar:
         job = bar.add_task(f"resizing to {', '.join(map(str, sizes))} px", total=len(tasks))
-        with ProcessPoolExecutor(workers) as pool:
+        with ProcessPoolExecutor(workers, initializer=_die_with_parent) as pool:
             for task, (resized, copied, skipped, error) in zip(tasks, pool.map(resize_one, tasks, chunksize=32)):
                 summary.images += 1
                 summary.resized += resized
@@ -180,6 +229,7 @@ def prepare(
                     summary.bad.append((task.rel, error))
                 bar.advance(job)
     summary.seconds = time.perf_counter() - start
+    _remove_dead_partials(dst)  # the pool's workers have ended: their (empty) folders go
 
     dst.mkdir(parents=True, exist_ok=True)
     with open(dst / REPORT_NAME, "w") as f:

@@ -45,5 +45,9 @@ class SyntheticSource:
             sl = slice(b * batch_size, (b + 1) * batch_size)
             yield resize_batch(self.val_images[sl], size), self.val_labels[sl]
 
+    def skipped_images(self) -> None:
+        """Nothing is ever skipped: the images are tensors in memory."""
+        return None
+
     def close(self) -> None:
         pass

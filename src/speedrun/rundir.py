@@ -1,0 +1,112 @@
+"""The run directory's promises: one writer at a time, no stale logs, no dead ends.
+
+`claim(out, resume)` is called by rank 0 before anything is written. It
+- refuses an `--out` that is a file or cannot be written to (before any data is loaded);
+- takes an exclusive lock (`RUN_DIR/.lock`, flock): a second run on the same directory is
+  refused with one line naming the first; a process that dies (even by SIGKILL) releases it;
+- removes temporary checkpoint files a killed writer left behind;
+- decides what the directory holds. With `--resume` it must hold a checkpoint. Without, a
+  checkpoint or a finished run is never overwritten; what a run left without a checkpoint (it
+  was stopped or failed before its first one: logs, events, results) is moved aside to
+  `RUN_DIR/abandoned-<date>-<time>/` and the run starts over, so old lines are never appended to.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from speedrun.errors import SpeedrunError
+
+CHECKPOINT = "checkpoint.pt"
+RESULTS = "results.json"
+# What a run writes besides its checkpoint (track.py's files and the plot).
+RUN_FILES = ("metrics.jsonl", "steps.jsonl", "tb", RESULTS, "accuracy.png")
+LOCK = ".lock"
+
+
+@dataclass
+class RunDir:
+    """A claimed run directory; `release` (or process exit) frees it for the next run."""
+
+    path: Path
+    lock: IO[str] | None
+    note: str | None = None  # one line to print: what was moved aside, or None
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.close()  # closing the file releases the flock
+            self.lock = None
+
+
+def claim(out: Path, resume: bool) -> RunDir:
+    """Check, lock and prepare `out` for a run (rank 0 only); SpeedrunError for every refusal."""
+    if out.exists() and not out.is_dir():
+        raise SpeedrunError(f"--out {out} is a file, not a directory; choose a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SpeedrunError(f"--out {out}: cannot create the run directory ({e.strerror or e})") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise SpeedrunError(f"--out {out} is not writable by this user; choose another directory")
+    lock = _lock(out)
+    try:
+        for tmp in out.glob(f".{CHECKPOINT}.*.tmp"):  # a writer killed mid-write; nobody holds them now
+            tmp.unlink(missing_ok=True)
+        note = _check_contents(out, resume)
+    except BaseException:
+        lock.close()
+        raise
+    return RunDir(out, lock, note)
+
+
+def _lock(out: Path) -> IO[str]:
+    f = open(out / LOCK, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise SpeedrunError(f"{out} is in use by another run ({holder}); wait for it to end or choose another --out") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    f.flush()
+    return f
+
+
+def _check_contents(out: Path, resume: bool) -> str | None:
+    has_checkpoint = (out / CHECKPOINT).is_file()
+    if resume:
+        if not has_checkpoint:
+            left = [name for name in RUN_FILES if (out / name).exists()]
+            what = "it holds no run" if not left else "the run there stopped before its first checkpoint"
+            raise SpeedrunError(f"--resume: no checkpoint at {out / CHECKPOINT} ({what}); run without --resume to start it over")
+        return None
+    if has_checkpoint:
+        raise SpeedrunError(f"{out} already holds a run; continue it with --resume or choose another --out")
+    status = _status(out / RESULTS)
+    if status in ("finished", "target_reached"):
+        raise SpeedrunError(f"{out} holds a finished run (status {status}, no checkpoint); choose another --out")
+    left = [name for name in RUN_FILES if (out / name).exists()]
+    if not left:
+        return None
+    aside = out / f"abandoned-{time.strftime('%Y%m%d-%H%M%S')}"
+    aside.mkdir()
+    for name in left:
+        os.replace(out / name, aside / name)
+    return f"{out} held a run that stopped before its first checkpoint; its files were moved to {aside.name}/, starting over"
+
+
+def _status(results: Path) -> str | None:
+    """The status in a results.json, or None when there is none or it cannot be read."""
+    try:
+        return json.loads(results.read_text()).get("status")
+    except (OSError, ValueError, AttributeError):
+        return None

@@ -1,0 +1,224 @@
+"""The run directory's promises, through the command line: one writer, no stale logs, no dead
+ends, damaged files and full disks reported in one line, and runs killed at any moment that
+resume to exactly the uninterrupted result."""
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from cli_run import speedrun, start, wait_for
+from conftest import fill
+
+from speedrun.errors import SpeedrunError
+from speedrun.track import read_jsonl
+
+TINY = ["train", "--recipe", "tiny", "--device", "cpu"]
+
+
+def one_line_error(proc: subprocess.CompletedProcess, *expected: str) -> str:
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    for text in expected:
+        assert text in lines[0], lines[0]
+    return lines[0]
+
+
+def test_a_second_claim_is_refused_until_the_first_is_released_or_its_process_dies(tmp_path):
+    from speedrun import rundir
+
+    out = tmp_path / "run"
+    first = rundir.claim(out, resume=False)
+    with pytest.raises(SpeedrunError, match=f"in use by another run \\(pid {os.getpid()} "):
+        rundir.claim(out, resume=False)
+    first.release()
+    rundir.claim(out, resume=False).release()
+    # A holder killed with SIGKILL holds nothing.
+    holder = subprocess.Popen(
+        ["python", "-c", "import sys, pathlib; from speedrun import rundir; held = rundir.claim(pathlib.Path(sys.argv[1]), False);"
+         " print('held', flush=True); sys.stdin.read()", str(out)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "held\n"
+    with pytest.raises(SpeedrunError, match=f"pid {holder.pid} "):
+        rundir.claim(out, resume=False)
+    holder.kill()
+    holder.wait()
+    rundir.claim(out, resume=False).release()
+
+
+def test_two_runs_on_one_directory(tmp_path):
+    out = tmp_path / "run"
+    first = start(*TINY, "--epochs", "12", "--out", str(out))
+    try:
+        wait_for(lambda: (out / "steps.jsonl").exists() or first.poll() is not None, 120, "the first run training")
+        assert first.poll() is None
+        one_line_error(speedrun(*TINY, "--out", str(out)), f"in use by another run (pid {first.pid} ")
+        one_line_error(speedrun(*TINY, "--out", str(out), "--resume"), "in use by another run")
+    finally:
+        first.kill()
+        first.wait()
+
+
+@pytest.fixture
+def abandoned(tmp_path) -> Path:
+    """A run stopped (Ctrl-C) after its first evaluation but before any checkpoint."""
+    out = tmp_path / "run"
+    proc = start(*TINY, "--checkpoint-every", "0", "--log-every", "1", "--out", str(out))
+    wait_for(lambda: (out / "metrics.jsonl").exists() or proc.poll() is not None, 120, "the first evaluation")
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert json.loads((out / "results.json").read_text())["status"] == "interrupted"
+    assert not (out / "checkpoint.pt").exists()
+    return out
+
+
+def test_a_run_that_left_no_checkpoint_is_started_over_not_appended_to(abandoned):
+    old_steps = len(read_jsonl(abandoned / "steps.jsonl"))
+    resumed = speedrun(*TINY, "--out", str(abandoned), "--resume")
+    one_line_error(resumed, "no checkpoint", "stopped before its first checkpoint", "run without --resume")
+    again = speedrun(*TINY, "--epochs", "2", "--out", str(abandoned))
+    assert again.returncode == 0, again.stderr
+    assert "moved to abandoned-" in again.stdout
+    assert [e["epoch"] for e in read_jsonl(abandoned / "metrics.jsonl")] == [1, 2]  # no stale lines
+    assert len(list((abandoned / "tb").glob("events.*"))) == 1
+    (aside,) = abandoned.glob("abandoned-*")
+    assert len(read_jsonl(aside / "steps.jsonl")) == old_steps  # kept, not lost
+    assert json.loads((aside / "results.json").read_text())["status"] == "interrupted"
+
+
+def test_a_finished_run_without_checkpoint_is_never_overwritten(tmp_path):
+    out = tmp_path / "run"
+    assert speedrun(*TINY, "--epochs", "1", "--checkpoint-every", "0", "--out", str(out)).returncode == 0
+    one_line_error(speedrun(*TINY, "--epochs", "1", "--out", str(out)), "holds a finished run")
+
+
+@pytest.fixture(scope="module")
+def one_epoch(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("one") / "run"
+    proc = speedrun(*TINY, "--epochs", "2", "--checkpoint-every", "1", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+def copy_run(src: Path, dst: Path) -> Path:
+    subprocess.run(["cp", "-a", str(src), str(dst)], check=True)
+    return dst
+
+
+def test_a_cut_last_line_is_dropped_and_a_damaged_one_named(one_epoch, tmp_path):
+    out = copy_run(one_epoch, tmp_path / "run")
+    for name in ("steps.jsonl", "metrics.jsonl"):
+        with open(out / name, "a") as f:
+            f.write('{"step": 99, "epo')  # the disk filled up mid-line
+    resumed = speedrun(*TINY, "--epochs", "2", "--out", str(out), "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert len(read_jsonl(out / "metrics.jsonl")) == 2
+    assert (out / "steps.jsonl").read_text().endswith("}\n")
+
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    (out / "metrics.jsonl").write_text("\n".join([lines[0][:20], *lines[1:]]) + "\n")
+    one_line_error(speedrun(*TINY, "--epochs", "2", "--out", str(out), "--resume"), "metrics.jsonl, line 1")
+
+
+@pytest.mark.parametrize("content, expected", [
+    (b"\x00garbage" * 100, "cannot be read"),
+    (None, "is not a speedrun checkpoint"),
+])
+def test_a_damaged_or_foreign_checkpoint_says_what_to_do(one_epoch, tmp_path, content, expected):
+    out = copy_run(one_epoch, tmp_path / "run")
+    if content is None:
+        torch.save({"weights": torch.zeros(2)}, out / "checkpoint.pt")
+    else:
+        (out / "checkpoint.pt").write_bytes(content)
+    one_line_error(speedrun(*TINY, "--epochs", "2", "--out", str(out), "--resume"), expected, "another --out")
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--seed", "1"], "--seed 0"),
+    (["--deterministic"], "no --deterministic"),
+])
+def test_resume_refuses_another_seed_or_determinism(one_epoch, tmp_path, flags, expected):
+    out = copy_run(one_epoch, tmp_path / "run")
+    one_line_error(speedrun(*TINY, "--epochs", "2", "--out", str(out), "--resume", *flags), expected)
+
+
+def test_temporary_checkpoints_of_a_killed_writer_are_removed(one_epoch, tmp_path):
+    out = copy_run(one_epoch, tmp_path / "run")
+    (out / ".checkpoint.pt.k1ll3d.tmp").write_bytes(b"half a checkpoint")
+    assert speedrun(*TINY, "--epochs", "2", "--out", str(out), "--resume").returncode == 0
+    assert not list(out.glob(".checkpoint.pt.*.tmp"))
+
+
+def test_out_that_is_a_file_or_read_only_is_refused_before_loading(tmp_path, read_only_dir):
+    (tmp_path / "file").write_text("x")
+    one_line_error(speedrun(*TINY, "--out", str(tmp_path / "file")), "is a file")
+    one_line_error(speedrun(*TINY, "--out", str(read_only_dir / "run")), "cannot create the run directory",
+                   "Read-only file system")
+
+
+def test_a_full_disk_is_one_line_naming_the_last_checkpoint(small_disk):
+    # The disk fills up once the first checkpoint is written; the next one cannot be.
+    out = small_disk / "run"
+    proc = start(*TINY, "--epochs", "12", "--out", str(out))
+    wait_for(lambda: (out / "checkpoint.pt").exists() or proc.poll() is not None, 120, "the first checkpoint")
+    fill(small_disk)
+    _, stderr = proc.communicate(timeout=120)
+    line = one_line_error(subprocess.CompletedProcess([], proc.returncode, "", stderr),
+                          "cannot write to the run directory", "No space left on device")
+    assert "the last complete checkpoint is" in line and "--resume" in line, line
+    saved = torch.load(out / "checkpoint.pt", weights_only=False)  # intact
+    assert 1 <= saved["state"]["epoch"] < 12 and f"after epoch {saved['state']['epoch']})" in line
+    assert not list(out.glob(".checkpoint.pt.*.tmp"))
+
+
+def test_runs_killed_at_any_moment_resume_to_the_uninterrupted_result(tmp_path):
+    """SIGKILL during training steps, evaluations and checkpoint writes (best effort: the moment
+    a temporary checkpoint appears), then --resume (or a fresh start when no checkpoint was made
+    yet), again and again: the run ends bitwise where an uninterrupted one ends, with the same
+    records and no temporary files."""
+    args = [*TINY, "--deterministic", "--log-every", "1"]
+    reference = tmp_path / "reference"
+    assert speedrun(*args, "--out", str(reference)).returncode == 0
+    out = tmp_path / "killed"
+    steps = lambda: len(read_jsonl(out / "steps.jsonl"))  # noqa: E731
+    triggers = [
+        lambda: steps() >= 5,  # mid-epoch 1, before any checkpoint
+        lambda: any(out.glob(".checkpoint.pt.*.tmp")),  # mid-write, if the poll catches it
+        lambda: steps() >= 120,  # mid-epoch 2
+        lambda: (out / "metrics.jsonl").exists() and len(read_jsonl(out / "metrics.jsonl")) >= 2,
+        lambda: steps() >= 200,
+    ]
+    kills = 0
+    for trigger in triggers:
+        resume = ["--resume"] if (out / "checkpoint.pt").exists() else []
+        proc = start(*args, "--out", str(out), *resume)
+        wait_for(lambda: proc.poll() is not None or trigger(), 120, "the moment to kill")
+        if proc.poll() is None:
+            proc.kill()
+            kills += 1
+        proc.communicate(timeout=60)
+    final = speedrun(*args, "--out", str(out), *(["--resume"] if (out / "checkpoint.pt").exists() else []))
+    assert final.returncode == 0, final.stderr
+    assert kills >= 3
+    a = torch.load(reference / "checkpoint.pt", weights_only=False)
+    b = torch.load(out / "checkpoint.pt", weights_only=False)
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.endswith("_s")} for r in rows]  # noqa: E731
+    assert strip(read_jsonl(out / "metrics.jsonl")) == strip(read_jsonl(reference / "metrics.jsonl"))
+    assert read_jsonl(out / "steps.jsonl") == read_jsonl(reference / "steps.jsonl")
+    assert json.loads((out / "results.json").read_text())["status"] == "finished"
+    assert not list(out.rglob("*.tmp"))
+
+
+def test_a_run_directory_removed_mid_run_is_one_line(tmp_path):
+    out = tmp_path / "run"
+    proc = start(*TINY, "--epochs", "12", "--out", str(out))
+    wait_for(lambda: (out / "checkpoint.pt").exists() or proc.poll() is not None, 120, "the first checkpoint")
+    subprocess.run(["rm", "-rf", str(out)], check=True)
+    _, stderr = proc.communicate(timeout=120)
+    one_line_error(subprocess.CompletedProcess([], proc.returncode, "", stderr), "was removed during the run")
