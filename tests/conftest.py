@@ -1,28 +1,12 @@
 """Fixtures shared by the trainer's tests: small real file systems (tmpfs mounts) for read-only
-and full-disk cases. They need root; where it is missing they skip, except under CI (CI=true),
-where that is a failure: these tests must run there."""
+and full-disk cases (see fs_helpers)."""
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 
 import pytest
-
-
-def require_root(what: str) -> None:
-    if os.geteuid() == 0:
-        return
-    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-        pytest.fail(f"CI must run {what}, which needs root")
-    pytest.skip(f"{what} needs root")
-
-
-def mount_tmpfs(path: Path, options: str) -> None:
-    path.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.fail(f"cannot mount a tmpfs at {path}: {done.stderr.strip()}")
+from fs_helpers import mount_tmpfs, require_root
 
 
 @pytest.fixture
@@ -43,19 +27,3 @@ def small_disk(tmp_path) -> Path:
     mount_tmpfs(path, "size=8m")
     yield path
     subprocess.run(["umount", "-l", str(path)], check=False)
-
-
-def fill(folder: Path) -> None:
-    """Write a file into `folder` until its file system has no space left."""
-    chunk = b"\0" * 65536
-    with open(folder / "filler", "wb", buffering=0) as f:
-        try:
-            while True:
-                f.write(chunk)
-        except OSError:
-            pass
-        try:
-            while True:
-                f.write(b"\0" * 512)
-        except OSError:
-            pass

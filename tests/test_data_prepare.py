@@ -130,6 +130,12 @@ def test_cli_prepare_and_errors(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
     assert main(["data", "prepare", str(src), str(tmp_path / "sz"), "--quality", "0"]) == 2
     assert main(["data", "prepare", str(src), str(src / "train" / "x")]) == 2
+    capsys.readouterr()
+    (tmp_path / "afile").write_text("x")
+    for dst in (tmp_path / "afile", tmp_path / "afile" / "sub"):
+        assert main(["data", "prepare", str(src), str(dst), "--workers", "1"]) == 2
+        err = capsys.readouterr().err
+        assert "is a file, not a folder" in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_cli_index_summarises(tmp_path, capsys):

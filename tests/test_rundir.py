@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from cli_run import speedrun, start, wait_for
-from conftest import fill
+from fs_helpers import fill
 
 from speedrun.errors import SpeedrunError
 from speedrun.track import read_jsonl
