@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from speedrun import checkpoint
-from speedrun.engine import train_step
+from speedrun.learner import train_step
 from speedrun.model import build_model
 from speedrun.optim import build_optimizer
 from speedrun.recipe import OptimizerSettings

@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from speedrun.engine import train_step
+from speedrun.learner import train_step
 from speedrun.model import build_model
 from speedrun.optim import build_optimizer
 from speedrun.recipe import OptimizerSettings

@@ -26,7 +26,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from speedrun.data.fashion_mnist import FashionMNIST
-from speedrun.engine import TrainConfig, train
+from speedrun.config import TrainConfig
+from speedrun.engine import train
 from speedrun.model import build_model
 from speedrun.recipe import Target
 from speedrun.recipes import BUILTIN, DEFAULT

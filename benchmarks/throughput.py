@@ -6,7 +6,7 @@ side with a plain baseline, and their ratio.
     +compile   the same with torch.compile                                   (speedrun train --compile)
 
 Both use the same model, optimizer (SGD momentum, no weight decay on norm/bias) and train step
-(`speedrun.engine.train_step`); data are random tensors already on the device, so this measures
+(`speedrun.learner.train_step`); data are random tensors already on the device, so this measures
 the model's step alone. On a GPU:
 
     PYTHONPATH=src python benchmarks/throughput.py --model resnet50 --sizes 128 224 288 --batch 256 192 128
@@ -21,7 +21,7 @@ import time
 import torch
 from torch import nn
 
-from speedrun.engine import choose_precision, device_capability, train_step
+from speedrun.learner import choose_precision, device_capability, train_step
 from speedrun.model import build_model
 from speedrun.optim import build_optimizer
 from speedrun.recipe import OptimizerSettings

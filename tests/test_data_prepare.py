@@ -96,12 +96,12 @@ def test_trainer_reads_the_copy_named_by_the_phase_and_falls_back_once(tmp_path,
     prepare(src, tmp_path / "imagenet-sz", [64], workers=1, progress=False)  # the default place
     source = ImageFolderSource(src, workers=0)
     stream = source.train_stream(Phase(0, 1, size=32, batch_size=4, lr=0.1, copy=64), Shard(), 0)
-    assert str(stream._loader.dataset.root) == str(tmp_path / "imagenet-sz" / "64")
+    assert str(stream._dataloader.dataset.root) == str(tmp_path / "imagenet-sz" / "64")
     assert len(list(stream)) == 2
     with caplog.at_level(logging.WARNING, logger="speedrun.data"):
         for _ in range(2):
             stream = source.train_stream(Phase(0, 1, size=32, batch_size=4, lr=0.1, copy=160), Shard(), 0)
-            assert stream._loader.dataset.root == src
+            assert stream._dataloader.dataset.root == src
     assert caplog.text.count("no 160 px copy") == 1
 
 
@@ -111,7 +111,7 @@ def test_copies_dir_from_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("SPEEDRUN_COPIES", str(tmp_path / "elsewhere"))
     source = ImageFolderSource(src, workers=0)
     stream = source.train_stream(Phase(0, 1, size=32, batch_size=2, lr=0.1, copy=64), Shard(), 0)
-    assert str(stream._loader.dataset.root) == str(tmp_path / "elsewhere" / "64")
+    assert str(stream._dataloader.dataset.root) == str(tmp_path / "elsewhere" / "64")
     # Validation follows the training phase's copy: mark the copy's validation images (solid
     # white), so that reading the full-size tree instead shows.
     for path in (tmp_path / "elsewhere" / "64" / "val").rglob("*.JPEG"):

@@ -14,8 +14,9 @@ import torch
 import torch.multiprocessing as mp
 from cli_run import speedrun, start, wait_for
 
-from speedrun import engine
-from speedrun.engine import DeviceBatches, evaluate
+from speedrun.config import TrainConfig
+from speedrun.dist import init_distributed, shutdown
+from speedrun.learner import DeviceBatches, EvalSettings, build_learner, evaluate
 from speedrun.data.fashion_mnist import FashionMNIST
 from speedrun.dist import DistContext
 from speedrun.model import build_model
@@ -95,8 +96,8 @@ def test_three_processes_count_every_validation_sample_once(tmp_path):
     model.load_state_dict(torch.load(out / "checkpoint.pt", weights_only=False)["model"])
     model = model.to(memory_format=torch.channels_last)
     source = FashionMNIST(None, val_examples=500)
-    batches = DeviceBatches(source, DistContext(0, 1, 0, torch.device("cpu")), channels_last=True)
-    single = evaluate(model, source, 28, 64, False, batches)
+    batches = DeviceBatches(source, torch.device("cpu"), channels_last=True)
+    single = evaluate(model, source, EvalSettings(28, 64), batches, DistContext(0, 1, 0, torch.device("cpu")))
     assert single["count"] == 500
     assert final["top1"] == pytest.approx(single["top1"], abs=1e-9)
     assert final["top5"] == pytest.approx(single["top5"], abs=1e-9)
@@ -176,27 +177,27 @@ def test_killing_one_rank_stops_the_job_with_a_clear_message(tmp_path):
 
 
 def _evaluate_rank(rank: int, world: int, port: int, out: str) -> None:
-    """One rank of `test_evaluate_under_ddp...`: the engine's learner (DDP over a BatchNorm
-    model), one training step, then the engine's evaluation of 2 batches over 3 ranks."""
+    """One rank of `test_evaluate_under_ddp...`: the loop's learner (DDP over a BatchNorm
+    model), one training step, then the loop's evaluation of 2 batches over 3 ranks."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    ctx = engine.init_distributed("cpu", timeout_s=60)
+    ctx = init_distributed("cpu", timeout_s=60)
     try:
         recipe = BUILTIN["tiny"]
         source = FashionMNIST(None, val_examples=100)
-        learner = engine.build_learner(engine.TrainConfig(recipe=recipe), ctx, source)
+        learner = build_learner(TrainConfig(recipe=recipe), ctx, source)
         assert isinstance(learner.net, torch.nn.parallel.DistributedDataParallel)
-        batches = DeviceBatches(source, ctx, learner.channels_last)
+        batches = DeviceBatches(source, ctx.device, learner.channels_last)
         stream = source.train_stream(recipe.phases[0], ctx.shard, 0)
         stream.set_epoch(0)
         images, labels = next(iter(stream))
         learner.step(*batches.to_device(images, labels), 1)  # as in the loop: train, then evaluate
-        metrics = [evaluate(net, source, 28, 50, False, batches) for net in (learner.eval_net, learner.net)]
+        metrics = [evaluate(net, source, EvalSettings(28, 50), batches, ctx) for net in (learner.eval_net, learner.net)]
         if rank == 0:
             torch.save(metrics, out)
     finally:
-        engine.shutdown(ctx)
+        shutdown(ctx)
 
 
 def test_evaluate_under_ddp_finishes_when_a_rank_has_no_validation_batch(tmp_path):

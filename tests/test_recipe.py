@@ -3,8 +3,8 @@ import dataclasses
 
 import pytest
 
-from speedrun.recipe import OptimizerSettings, Phase, Recipe, RecipeError, Target, load_recipe
-from speedrun.recipes import BUILTIN
+from speedrun.recipe import OptimizerSettings, Phase, Recipe, RecipeError, Target
+from speedrun.recipes import BUILTIN, load_recipe
 
 
 def make(*phases, **kw) -> Recipe:

@@ -10,10 +10,17 @@ import torch
 from cli_run import speedrun, start, wait_for
 
 from speedrun import engine
+from speedrun.config import TrainConfig
+from speedrun.data.fashion_mnist import FashionMNIST
+from speedrun.dist import DistContext
+from speedrun.errors import SpeedrunError
+from speedrun.learner import DeviceBatches, EvalSettings, choose_precision, evaluate
+from speedrun.model import build_model
 from speedrun.recipes import BUILTIN
 from speedrun.track import read_jsonl
 
 TINY = BUILTIN["tiny"]
+CPU = DistContext(0, 1, 0, torch.device("cpu"))  # one process on the CPU
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +124,7 @@ def test_batch_size_only_change_keeps_the_train_stream(tmp_path, monkeypatch):
 
     monkeypatch.setattr(engine, "build_source", recording_build_source)
     recipe = TINY.with_epochs(3)
-    engine.train(engine.TrainConfig(recipe=recipe, out=tmp_path / "run", device="cpu", checkpoint_every=0))
+    engine.train(TrainConfig(recipe=recipe, out=tmp_path / "run", device="cpu", checkpoint_every=0))
     assert [size for size, _ in made] == [20, 28]
     assert made[0][1].batch_size == 128  # the same object, re-batched for phase 1
 
@@ -125,24 +132,20 @@ def test_batch_size_only_change_keeps_the_train_stream(tmp_path, monkeypatch):
 def test_ema_weights_are_what_is_evaluated_and_saved(tmp_path):
     """With ema_decay the evaluation runs on the moving average, which the checkpoint holds next
     to the raw weights."""
-    from speedrun.data.fashion_mnist import FashionMNIST
-    from speedrun.dist import DistContext
-    from speedrun.model import build_model
-
     recipe = dataclasses.replace(TINY.with_epochs(2), ema_decay=0.99)
-    results = engine.train(engine.TrainConfig(recipe=recipe, out=tmp_path / "run", device="cpu", checkpoint_every=1))
+    results = engine.train(TrainConfig(recipe=recipe, out=tmp_path / "run", device="cpu", checkpoint_every=1))
     saved = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
     assert saved["ema"] is not None and saved["ema"].keys() == saved["model"].keys()
     assert not torch.equal(saved["ema"]["fc.weight"], saved["model"]["fc.weight"])
 
     source = FashionMNIST(None, val_examples=TINY.val_examples)
-    batches = engine.DeviceBatches(source, DistContext(0, 1, 0, torch.device("cpu")), channels_last=True)
+    batches = DeviceBatches(source, torch.device("cpu"), channels_last=True)
     final = results["final"]
 
     def loss(weights):
         model = build_model(TINY.model, 10, 1).to(memory_format=torch.channels_last)
         model.load_state_dict(weights)
-        return engine.evaluate(model, source, final["size"], TINY.val_batch_size, False, batches)["loss"]
+        return evaluate(model, source, EvalSettings(final["size"], TINY.val_batch_size), batches, CPU)["loss"]
 
     assert loss(saved["ema"]) == pytest.approx(final["loss"], rel=1e-6)
     assert loss(saved["model"]) != pytest.approx(final["loss"], rel=1e-3)
@@ -151,10 +154,6 @@ def test_ema_weights_are_what_is_evaluated_and_saved(tmp_path):
 def test_eval_flip_averages_each_image_with_its_mirror():
     # With eval_flip, mirroring the whole validation set changes nothing (the same two forward
     # passes, summed the other way round: bit for bit); without it, the numbers change.
-    from speedrun.data.fashion_mnist import FashionMNIST
-    from speedrun.dist import DistContext
-    from speedrun.model import build_model
-
     class Mirrored:
         """The same validation images, each flipped left to right."""
 
@@ -168,10 +167,10 @@ def test_eval_flip_averages_each_image_with_its_mirror():
     torch.manual_seed(0)
     model = build_model(TINY.model, 10, 1).to(memory_format=torch.channels_last)
     source = FashionMNIST(None, val_examples=300)
-    batches = engine.DeviceBatches(source, DistContext(0, 1, 0, torch.device("cpu")), channels_last=True)
+    batches = DeviceBatches(source, torch.device("cpu"), channels_last=True)
 
     def metrics(src, flip):
-        return engine.evaluate(model, src, 28, 100, False, batches, flip=flip)
+        return evaluate(model, src, EvalSettings(28, 100, flip=flip), batches, CPU)
 
     both, both_mirrored = metrics(source, True), metrics(Mirrored(source), True)
     plain, plain_mirrored = metrics(source, False), metrics(Mirrored(source), False)
@@ -207,7 +206,7 @@ def test_fp16_autocast_trains_with_a_gradient_scaler(tmp_path):
     """GPUs without bf16 (V100, T4) train in fp16 with a gradient scaler; the same code runs on
     the CPU here. The scaler's state is saved with the checkpoint."""
     recipe = dataclasses.replace(TINY.with_epochs(1), train_examples=1024, val_examples=200)
-    results = engine.train(engine.TrainConfig(recipe=recipe, out=tmp_path / "run", device="cpu", precision="fp16"))
+    results = engine.train(TrainConfig(recipe=recipe, out=tmp_path / "run", device="cpu", precision="fp16"))
     assert results["precision"] == "fp16" and results["status"] == "finished"
     losses = [r["loss"] for r in read_jsonl(tmp_path / "run" / "steps.jsonl")]
     assert losses and all(0 < x < 3 for x in losses)
@@ -226,18 +225,16 @@ def test_fp16_autocast_trains_with_a_gradient_scaler(tmp_path):
     ("bf16", "cpu", None, "bf16"),
 ])
 def test_precision_follows_what_the_device_supports(requested, device, capability, expected):
-    assert engine.choose_precision(requested, device, capability) == expected
+    assert choose_precision(requested, device, capability) == expected
 
 
 def test_bf16_on_a_gpu_without_it_is_refused():
-    from speedrun.errors import SpeedrunError
-
     with pytest.raises(SpeedrunError, match="compute capability 7.0"):
-        engine.choose_precision("bf16", "cuda", (7, 0))
+        choose_precision("bf16", "cuda", (7, 0))
 
 
 def test_compiled_model_trains_and_evaluates(tmp_path):
     recipe = dataclasses.replace(TINY.with_epochs(1), train_examples=512, val_examples=100)
-    results = engine.train(engine.TrainConfig(recipe=recipe, out=tmp_path / "run", device="cpu", compile=True))
+    results = engine.train(TrainConfig(recipe=recipe, out=tmp_path / "run", device="cpu", compile=True))
     assert results["status"] == "finished" and results["compile"] is True
     assert results["final"]["count"] == 100

@@ -1,18 +1,97 @@
-"""Checkpoints written atomically (a crash mid-write leaves the previous checkpoint intact) and
-off the training thread (`CheckpointWriter`)."""
+"""Checkpoints: what a run saves (`RunState`, `save_run`), how it continues (`restore_run`), and
+how the file is written: atomically (a crash mid-write leaves the previous checkpoint intact)
+and off the training thread (`CheckpointWriter`)."""
 from __future__ import annotations
 
 import os
 import random
 import tempfile
 import threading
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+import speedrun
+from speedrun.config import TrainConfig
+from speedrun.dist import processes
 from speedrun.errors import SpeedrunError
+from speedrun.learner import Learner
+from speedrun.recipe import Recipe
+
+
+@dataclass
+class RunState:
+    """What a checkpoint carries besides weights and optimizer state."""
+
+    epoch: int = 0  # next epoch to run (0-based), which is also the number of epochs done
+    step: int = 0  # optimizer steps taken, all epochs
+    startup_s: float = 0.0  # process start -> first step, in the run's first process
+    train_s: float = 0.0  # first step -> now, summed over resumed sessions
+    best: dict[str, float] = field(default_factory=dict)
+    time_to_target_s: float | None = None
+    time_to_target_from_first_step_s: float | None = None
+    target_epoch: int | None = None  # the epoch (1-based, as printed) whose evaluation reached the target
+    world_size: int | None = None  # processes the run trains on; a resume must use as many
+
+
+def save_run(writer: CheckpointWriter, path: Path, learner: Learner, state: RunState, cfg: TrainConfig) -> None:
+    """Hand the run's state to `writer`, which copies it now and writes it in the background."""
+    writer.save(
+        {
+            "model": learner.model.state_dict(),
+            "ema": learner.ema.module.state_dict() if learner.ema is not None else None,
+            "optimizer": learner.optimizer.state_dict(),
+            "scaler": learner.scaler.state_dict() if learner.scaler is not None else None,
+            "state": asdict(state),
+            "recipe": cfg.recipe.to_dict(),
+            "data": cfg.data,  # where `speedrun eval` finds the validation split
+            "seed": cfg.seed,  # a resume must use the same, or it would not continue the same run
+            "deterministic": cfg.deterministic,
+            "rng": rng_state(),
+            "speedrun": speedrun.__version__,
+        },
+        path,
+        label=f"{path} (after epoch {state.epoch})",
+    )
+
+
+def restore_run(path: Path, learner: Learner, cfg: TrainConfig, world_size: int) -> RunState:
+    """Load a checkpoint into the learner. The recipe, the number of processes, the seed and
+    --deterministic must be the ones it was made with: another world size would change the global
+    batch and the LR mid-run, another seed the data order; the run would not continue, it would
+    become a different one."""
+    try:
+        saved = load(path)
+    except SpeedrunError as e:
+        raise SpeedrunError(f"--resume: {e}; it cannot be continued: start over in another --out") from None
+    if not isinstance(saved, dict) or not {"recipe", "model", "optimizer", "state"} <= set(saved):
+        raise SpeedrunError(f"--resume: {path} is not a speedrun checkpoint; start over in another --out")
+    if Recipe.from_dict(saved["recipe"]) != cfg.recipe:
+        raise SpeedrunError(f"--resume: {path} was made with a different recipe ({saved['recipe']['name']}); resume with the same one")
+    state = RunState(**saved["state"])
+    if state.world_size is not None and state.world_size != world_size:
+        raise SpeedrunError(
+            f"--resume: {path} was trained on {processes(state.world_size)} and this run has {processes(world_size)}: "
+            f"the global batch and LR would change mid-run; resume on {processes(state.world_size)}"
+        )
+    for name, now in (("seed", cfg.seed), ("deterministic", cfg.deterministic)):
+        if name in saved and saved[name] != now:
+            flag = f"--seed {saved[name]}" if name == "seed" else ("--deterministic" if saved[name] else "no --deterministic")
+            raise SpeedrunError(f"--resume: the run was made with {flag}; resume with the same (this run has {name} {now})")
+    state.world_size = world_size  # checkpoints before this field: unknown, taken as this run's
+    learner.model.load_state_dict(saved["model"])
+    if learner.ema is not None:
+        learner.ema.module.load_state_dict(saved["ema"])
+    learner.optimizer.load_state_dict(saved["optimizer"])
+    if learner.scaler is not None and saved.get("scaler"):
+        learner.scaler.load_state_dict(saved["scaler"])
+    set_rng_state(saved["rng"])
+    return state
+
+
 
 
 def save_atomic(state: dict[str, Any], path: str | os.PathLike) -> None:

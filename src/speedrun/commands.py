@@ -14,7 +14,8 @@ from rich.table import Table
 
 from speedrun.data import LOADERS
 from speedrun.errors import SpeedrunError, TrainingFailed
-from speedrun.recipe import PRECISIONS, RecipeError, Target, load_recipe
+from speedrun.recipe import PRECISIONS, RecipeError, Target
+from speedrun.recipes import BUILTIN, DEFAULT, load_recipe
 
 EXIT_BAD_INPUT, EXIT_TRAINING_FAILED = 2, 3
 
@@ -93,8 +94,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from speedrun.recipes import DEFAULT
-
     recipe = load_recipe(args.recipe or DEFAULT)
     if args.epochs is not None:
         recipe = recipe.with_epochs(args.epochs)
@@ -109,7 +108,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.checkpoint_every < 0:
         raise SpeedrunError(f"--checkpoint-every must be 0 or more, got {args.checkpoint_every}")
     from speedrun.dist import pick_device
-    from speedrun.engine import TrainConfig, check_device_options, train
+    from speedrun.config import TrainConfig
+    from speedrun.engine import train
+    from speedrun.learner import check_device_options
 
     cfg = TrainConfig(
         recipe=recipe,
@@ -252,8 +253,6 @@ def strip_option(argv: list[str], name: str) -> list[str]:
 
 
 def cmd_recipes(args: argparse.Namespace) -> int:
-    from speedrun.recipes import BUILTIN, DEFAULT
-
     console = Console()
     if args.name is None:
         table = Table("name", "model", "dataset", "devices", "epochs", "target", box=None)

@@ -85,11 +85,6 @@ def all_reduce_sum(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
     return tensor
 
 
-def barrier(ctx: DistContext) -> None:
-    if ctx.distributed:
-        dist.barrier()
-
-
 def broadcast_object(obj, ctx: DistContext):
     """Rank 0's `obj` on every rank."""
     if not ctx.distributed:
@@ -115,3 +110,8 @@ def average_buffers(model: torch.nn.Module, ctx: DistContext) -> None:
         if buffer.is_floating_point():
             dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
             buffer.div_(ctx.world_size)
+
+
+def processes(n: int | None) -> str:
+    """"1 process", "8 processes"."""
+    return f"{n} process" if n == 1 else f"{n} processes"

@@ -11,3 +11,14 @@ class SpeedrunError(Exception):
 
 class TrainingFailed(Exception):
     """Training cannot go on (a non-finite loss, a peer process died); the CLI exits with status 3."""
+
+
+def one_line(error: BaseException, limit: int = 200) -> str:
+    """An exception as one short line ("ValueError: ..."), for logs, reports and error messages."""
+    return f"{type(error).__name__}: {error}".splitlines()[0][:limit]
+
+
+def last_line(text: str, default: str = "") -> str:
+    """The last non-empty line of a command's output (where shells and tools put the reason)."""
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else default

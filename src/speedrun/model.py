@@ -76,11 +76,6 @@ OWN_MODELS = {
 }
 
 
-def list_models() -> list[str]:
-    """speedrun's own model names followed by torchvision's classification models."""
-    return sorted(OWN_MODELS) + sorted(torchvision.models.list_models(module=torchvision.models))
-
-
 def build_model(name: str, num_classes: int, in_chans: int = 3) -> nn.Module:
     """A freshly initialised classifier: `name` from speedrun, torchvision or timm (see module
     docstring), with `in_chans` input channels and `num_classes` outputs, made size-agnostic,

@@ -6,15 +6,13 @@ do *what* comes from here: the learning rate at any iteration, the image size an
 any epoch, and whether a phase change needs new data or only a new batch size.
 
 Recipes are plain Python: the built-ins live in `speedrun.recipes`, and a user's recipe is a
-Python file that defines a module-level variable `recipe` (see `load_recipe`).
+Python file that defines a module-level variable `recipe` (see `speedrun.recipes.load_recipe`).
 """
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from speedrun.errors import SpeedrunError
 
@@ -115,7 +113,7 @@ class Recipe:
     name: str
     phases: tuple[Phase, ...]
     model: str = "resnet50"
-    dataset: str = "imagefolder"  # "imagefolder", "fashion-mnist" or "synthetic"
+    dataset: str = "imagefolder"  # "imagefolder" or "fashion-mnist" (data.DATASETS)
     world_size: int = 1  # devices the schedule was written for (the LR rule scales from this)
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
     target: Target | None = None
@@ -304,29 +302,3 @@ def _lr_problems(lr: LearningRate) -> list[str]:
 
 def _finite(x) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def load_recipe(name_or_path: str) -> Recipe:
-    """A built-in recipe by name, or the variable `recipe` from a Python file. Validated."""
-    from speedrun.recipes import BUILTIN
-
-    if name_or_path in BUILTIN:
-        return BUILTIN[name_or_path].validate()
-    path = Path(name_or_path)
-    if path.suffix != ".py":
-        known = ", ".join(sorted(BUILTIN))
-        raise RecipeError([f"unknown recipe {name_or_path!r}: not a built-in ({known}) and not a .py file"])
-    if not path.is_file():
-        raise RecipeError([f"recipe file {str(path)!r} does not exist"])
-    spec = importlib.util.spec_from_file_location(f"speedrun_user_recipe_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except Exception as e:  # a user's file: report its error in one line
-        raise RecipeError([f"recipe file {str(path)!r} failed to load: {type(e).__name__}: {e}"]) from None
-    except SystemExit as e:  # exit() in a recipe would end `speedrun train` silently, even with status 0
-        raise RecipeError([f"recipe file {str(path)!r} called exit({e.code!r}) while loading; a recipe file only defines `recipe`"]) from None
-    recipe = getattr(module, "recipe", None)
-    if not isinstance(recipe, Recipe):
-        raise RecipeError([f"recipe file {str(path)!r} must define a variable `recipe` holding a speedrun.Recipe"])
-    return recipe.validate()

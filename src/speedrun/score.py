@@ -16,9 +16,9 @@ import torch
 
 from speedrun import checkpoint
 from speedrun.data import build_source
-from speedrun.dist import init_distributed, pick_device, shutdown
-from speedrun.engine import DeviceBatches, choose_precision, device_capability, evaluate, processes
+from speedrun.dist import init_distributed, pick_device, processes, shutdown
 from speedrun.errors import SpeedrunError
+from speedrun.learner import DeviceBatches, EvalSettings, choose_precision, device_capability, evaluate
 from speedrun.model import build_model
 from speedrun.recipe import Recipe
 
@@ -63,8 +63,8 @@ def evaluate_run(cfg: EvalConfig) -> dict[str, Any]:
             channels_last = any(isinstance(m, torch.nn.Conv2d) for m in model.modules())
             model = model.to(ctx.device, memory_format=torch.channels_last if channels_last else torch.preserve_format)
             precision = choose_precision(cfg.precision, ctx.device.type, device_capability(ctx.device))
-            batches = DeviceBatches(source, ctx, channels_last)
-            metrics = evaluate(model, source, size, batch_size, rect, batches, precision, flip)
+            batches = DeviceBatches(source, ctx.device, channels_last)
+            metrics = evaluate(model, source, EvalSettings(size, batch_size, rect, flip, precision), batches, ctx)
         finally:
             source.close()
         record = {

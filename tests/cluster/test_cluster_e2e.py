@@ -16,7 +16,7 @@ import pytest
 
 from speedrun.cli import main
 from speedrun.cluster import open_job
-from speedrun.recipe import load_recipe
+from speedrun.recipes import load_recipe
 
 HERE = Path(__file__).parent
 TRAIN = ["-m", "speedrun", "train", "--recipe", "tiny", "--device", "cpu"]

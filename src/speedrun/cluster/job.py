@@ -33,6 +33,7 @@ from speedrun.cluster import registry, tmux
 from speedrun.cluster.hosts import Host
 from speedrun.cluster.providers import LocalProvider, Provider, SSHProvider, provider_from_record
 from speedrun.cluster.ssh import SSHOptions
+from speedrun.cluster.tensorboard import TensorBoard, start_tensorboard
 from speedrun.cluster.task import Command, CommandFailed, Result, Task, check_name, tmux_message
 from speedrun.errors import SpeedrunError
 
@@ -289,12 +290,10 @@ class Job:
         """Attach this terminal to a task's tmux session (Ctrl-b d detaches); the exit status."""
         return self.tasks[task].attach(window)
 
-    def tensorboard(self, local_port: int | None = None, timeout: float = 120.0):
+    def tensorboard(self, local_port: int | None = None, timeout: float = 120.0) -> TensorBoard:
         """Start TensorBoard on task 0 over the run directory (bound to 127.0.0.1 there) and forward it
         here; returns a TensorBoard with `.url` and `.close()`. See tensorboard.py."""
-        from speedrun.cluster.tensorboard import start_tensorboard
-
-        return start_tensorboard(self, local_port=local_port, timeout=timeout)
+        return start_tensorboard(self.tasks[0], self.run_dir, self.python, self.free_port(), local_port, timeout)
 
     def close(self) -> None:
         """Close the provider's connections (the job keeps running)."""

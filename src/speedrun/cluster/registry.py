@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,6 @@ class JobRecord:
     tmux_socket: str = "speedrun"
     python: str = "python3"
     created: float = 0.0  # seconds since the epoch
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def save(record: JobRecord, home: str | os.PathLike | None = None) -> Path:
@@ -63,7 +62,7 @@ def load(name: str, home: str | os.PathLike | None = None) -> JobRecord:
         known = ", ".join(r.name for r in load_all(home)) or "none"
         raise SpeedrunError(f"no job named {name!r} was launched from here (known jobs: {known}); see `speedrun ls`")
     try:
-        return JobRecord(**json.loads(path.read_text()))
+        return _record(json.loads(path.read_text()))
     except (ValueError, TypeError) as e:
         raise SpeedrunError(f"the job record {path} is damaged ({e}): delete it and launch the job again")
 
@@ -73,7 +72,13 @@ def load_all(home: str | os.PathLike | None = None) -> list[JobRecord]:
     records = []
     for path in sorted((speedrun_home(home) / "jobs").glob("*.json")):
         try:
-            records.append(JobRecord(**json.loads(path.read_text())))
+            records.append(_record(json.loads(path.read_text())))
         except (ValueError, TypeError):
             continue
     return sorted(records, key=lambda r: r.created)
+
+
+def _record(data: dict[str, Any]) -> JobRecord:
+    """A JobRecord from its JSON, ignoring fields that older versions wrote."""
+    known = {f.name for f in fields(JobRecord)}
+    return JobRecord(**{k: v for k, v in data.items() if k in known})

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Sequence
 
 from speedrun.cluster.hosts import Host, ShellResult
-from speedrun.errors import SpeedrunError
+from speedrun.errors import SpeedrunError, last_line
 
 log = logging.getLogger("speedrun.cluster")
 
@@ -339,9 +339,3 @@ def describe_ssh_failure(host: str, stderr: str, options: SSHOptions) -> str:
         return (f"{host} refused to log in (permission denied); check the user name and the key "
                 f"(--identity / identity_file, or your ssh agent)")
     return f"cannot connect to {host}: {last_line(stderr) or 'ssh failed without a message'}"
-
-
-def last_line(text: str) -> str:
-    """The last non-empty line of text, stripped."""
-    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
-    return lines[-1] if lines else ""

@@ -22,7 +22,7 @@ from typing import Mapping, Sequence
 
 from speedrun.cluster import tmux
 from speedrun.cluster.hosts import Host
-from speedrun.errors import SpeedrunError
+from speedrun.errors import SpeedrunError, last_line
 
 TAIL_LINES = 3  # lines of output quoted in a CommandFailed message
 
@@ -262,5 +262,4 @@ class Command:
 
 def tmux_message(stderr: str) -> str:
     """The useful line of a failed driver script's stderr."""
-    lines = [ln.strip() for ln in stderr.strip().splitlines() if ln.strip()]
-    return lines[-1] if lines else "the host's shell failed without a message"
+    return last_line(stderr, "the host's shell failed without a message")

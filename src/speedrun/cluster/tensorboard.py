@@ -11,13 +11,10 @@ import socket
 import subprocess
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from speedrun.cluster.task import Command
+from speedrun.cluster.task import Command, Task
 from speedrun.errors import SpeedrunError
 
-if TYPE_CHECKING:
-    from speedrun.cluster.job import Job
 
 WINDOW = "tensorboard"
 
@@ -38,18 +35,19 @@ class TensorBoard:
         self.command.kill()
 
 
-def start_tensorboard(job: "Job", local_port: int | None = None, timeout: float = 120.0) -> TensorBoard:
-    """Start TensorBoard on task 0 (replacing one started before) and forward it here.
+def start_tensorboard(
+    task: Task, logdir: str, python: str, port: int, local_port: int | None = None, timeout: float = 120.0
+) -> TensorBoard:
+    """Start TensorBoard on `task` (replacing one started before), reading `logdir` and listening
+    on `port` of its host, with the host's `python`, and forward it here.
 
     local_port: the port on this machine (default: a free one). timeout: seconds to wait for
     TensorBoard to listen and for the tunnel to open.
     """
-    task = job.tasks[0]
     old = task.command(WINDOW)
     if old is not None:
         old.kill()
-    port = job.free_port()
-    cmd = task.run(f"{job.python} -m tensorboard.main --logdir {shlex.quote(job.run_dir)} "
+    cmd = task.run(f"{python} -m tensorboard.main --logdir {shlex.quote(logdir)} "
                    f"--host 127.0.0.1 --port {port}", background=True, name=WINDOW)
     # Wait (bounded) on the host until TensorBoard accepts connections, or its command has ended.
     code = "\n".join([
@@ -66,7 +64,7 @@ def start_tensorboard(job: "Job", local_port: int | None = None, timeout: float 
         "    time.sleep(0.2)",
         "sys.exit(1)",
     ])
-    probe = f"{job.python} -c {shlex.quote(code)}"
+    probe = f"{python} -c {shlex.quote(code)}"
     r = task.host.shell(probe, timeout=timeout + 30)
     if r.returncode != 0:
         tail = " | ".join(cmd.output().strip().splitlines()[-3:])

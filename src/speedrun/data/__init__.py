@@ -1,4 +1,4 @@
-"""Data sources: Fashion-MNIST (the demo), image folders (ImageNet layout), synthetic tensors.
+"""Data sources: Fashion-MNIST (the demo) and image folders (ImageNet layout).
 
 `build_source` picks the one a recipe names. Each source follows the contract in `data.base`.
 Nothing here imports torch at package import, so the command line starts quickly.
@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 
 LOADERS = ("auto", "pil", "dali")  # how image files are decoded for training; see docs/data.md
+DATASETS = ("fashion-mnist", "imagefolder")  # what a recipe's `dataset` may name
 
 
 def build_source(
@@ -51,10 +52,6 @@ def build_source(
         from speedrun.data.fashion_mnist import FashionMNIST
 
         return FashionMNIST(path, device, train_examples=recipe.train_examples, val_examples=recipe.val_examples)
-    if recipe.dataset == "synthetic":
-        from speedrun.data.synthetic import SyntheticSource
-
-        return SyntheticSource(device, train_examples=recipe.train_examples, val_examples=recipe.val_examples)
     if recipe.dataset == "imagefolder":
         from speedrun.data.imagefolder import ImageFolderSource
 
@@ -69,7 +66,7 @@ def build_source(
             device=device,
             loader=loader,
         )
-    raise SpeedrunError(f"unknown dataset {recipe.dataset!r} (choose from fashion-mnist, imagefolder, synthetic)")
+    raise SpeedrunError(f"unknown dataset {recipe.dataset!r} (choose from {', '.join(DATASETS)})")
 
 
 def is_image_folder(path: str) -> bool:

@@ -1,4 +1,4 @@
-"""Batched augmentation for datasets that fit in one tensor (Fashion-MNIST, synthetic data).
+"""Batched augmentation for datasets that fit in one tensor (Fashion-MNIST).
 
 RandomResizedCrop + horizontal flip for a whole batch in one `torchvision.ops.roi_align` call,
 on whatever device the images live (the GPU when training there): each image gets its own crop

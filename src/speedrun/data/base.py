@@ -16,8 +16,9 @@ Sharding rules, shared by all sources so that N processes see exactly what one p
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -25,6 +26,7 @@ import torch
 from speedrun.recipe import Phase
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+log = logging.getLogger("speedrun.data")
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,21 @@ class Shard:
 
     rank: int = 0
     world_size: int = 1
+
+
+@dataclass
+class BadImages:
+    """Files that failed to decode while training or evaluating (path -> reason)."""
+
+    files: dict[str, str] = field(default_factory=dict)
+    count: int = 0  # decode failures, counting repeats (a bad file fails every epoch)
+
+    def add(self, found: list[tuple[str, str]]) -> None:
+        for path, reason in found:
+            self.count += 1
+            if path not in self.files:
+                self.files[path] = reason
+                log.warning("skipping unreadable image %s: %s", path, reason)
 
 
 class TrainStream(Protocol):
@@ -63,6 +80,7 @@ class DataSource(Protocol):
     std: Sequence[float]
     num_train: int  # examples in the training split (after any recipe subset)
     num_val: int
+    loader: str | None  # what decodes training images ("pil", "dali"); None: tensors in memory
 
     def train_stream(self, phase: Phase, shard: Shard, seed: int) -> TrainStream: ...
 

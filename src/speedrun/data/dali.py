@@ -32,10 +32,9 @@ import numpy as np
 import torch
 from PIL import Image
 
-from speedrun.data.base import Batch, Shard, epoch_permutation, rank_indices
+from speedrun.data.base import BadImages, Batch, Shard, epoch_permutation, rank_indices
 from speedrun.data.index import Split
-from speedrun.data.imagefolder import BadImages, failure_reason
-from speedrun.errors import SpeedrunError
+from speedrun.errors import SpeedrunError, one_line
 
 log = logging.getLogger("speedrun.data")
 
@@ -74,7 +73,7 @@ def _undecodable(path: Path) -> str | None:
         with Image.open(path) as img:
             img.load()
     except Exception as e:  # any failure is the answer
-        return failure_reason(e)
+        return one_line(e)
     return None
 
 
@@ -82,7 +81,7 @@ class DaliTrainStream:
     """Training batches decoded by DALI on `device` (CUDA or CPU); see `data.base.TrainStream`.
 
     threads: DALI's CPU threads (file handling on CUDA, the whole decode on the CPU). bad: where
-    undecodable files are recorded (`imagefolder.BadImages`).
+    undecodable files are recorded (`data.base.BadImages`).
     """
 
     def __init__(self, root: Path, split: Split, size: int, min_scale: float, shard: Shard, seed: int,

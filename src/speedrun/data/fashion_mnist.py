@@ -119,7 +119,7 @@ class FashionMNIST:
     name = "fashion-mnist"
     num_classes = 10
     channels = 1
-    native_size = 28  # pixels
+    loader = None  # the whole dataset is one tensor on the device
     # Training-set statistics, 0..255 units.
     mean = (72.94,)
     std = (90.02,)

@@ -24,7 +24,7 @@ import logging
 import os
 import random
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -32,11 +32,11 @@ import torch
 from torch.utils.data import DataLoader, get_worker_info
 
 from speedrun.data import LOADERS
-from speedrun.data.base import Batch, Shard, TrainStream, epoch_permutation, rank_indices, split_batches_contiguously
+from speedrun.data.base import BadImages, Batch, Shard, TrainStream, epoch_permutation, rank_indices, split_batches_contiguously
 from speedrun.data.index import Index, Split, load_index
 from speedrun.data.rect import ValBatch, rect_plan, resize_for, square_plan
 from speedrun.data.transforms import decode_eval, decode_train
-from speedrun.errors import SpeedrunError
+from speedrun.errors import SpeedrunError, one_line
 from speedrun.recipe import Phase
 
 log = logging.getLogger("speedrun.data")
@@ -82,11 +82,6 @@ def _batch_buffer(shape: tuple[int, ...]) -> torch.Tensor:
     return buf.share_memory_() if get_worker_info() is not None else buf
 
 
-def failure_reason(e: BaseException) -> str:
-    """A decode failure in one short line, for logs and reports."""
-    return f"{type(e).__name__}: {e}".splitlines()[0][:200]
-
-
 def _passthrough(batch):
     """collate_fn: __getitems__ already returns a finished batch."""
     return batch
@@ -117,7 +112,7 @@ class _TrainDecoder(torch.utils.data.Dataset):
                 try:
                     decode_train(path, size, self.min_scale, rng, self.draft, out=pixels[i])
                 except Exception as e:  # any decode failure: count it, use another sample
-                    bad.append((path, failure_reason(e)))
+                    bad.append((path, one_line(e)))
                     continue
                 labels[i] = int(self.split.labels[r])
                 break
@@ -149,7 +144,7 @@ class _EvalDecoder(torch.utils.data.Dataset):
             try:
                 decode_eval(path, self.resize, height, width, self.draft, out=pixels[kept])
             except Exception as e:  # left out of the metrics, counted and logged
-                bad.append((path, failure_reason(e)))
+                bad.append((path, one_line(e)))
                 continue
             labels[kept] = int(self.split.labels[row])
             kept += 1
@@ -196,21 +191,6 @@ def _sample(split: Split, limit: int | None) -> Split:
 # The stream and the source
 
 
-@dataclass
-class BadImages:
-    """Files that failed to decode while training or evaluating (path -> reason)."""
-
-    files: dict[str, str] = field(default_factory=dict)
-    count: int = 0  # decode failures, counting repeats (a bad file fails every epoch)
-
-    def add(self, found: list[tuple[str, str]]) -> None:
-        for path, reason in found:
-            self.count += 1
-            if path not in self.files:
-                self.files[path] = reason
-                log.warning("skipping unreadable image %s: %s", path, reason)
-
-
 class ImageFolderTrainStream:
     """Training batches for one (size, min_scale, copy) setting; see `data.base.TrainStream`."""
 
@@ -219,7 +199,7 @@ class ImageFolderTrainStream:
         self._sampler = _EpochBatchSampler(len(dataset), shard, seed, batch_size)
         self._bad = bad
         workers = options.workers
-        self._loader = DataLoader(
+        self._dataloader = DataLoader(
             dataset,
             batch_sampler=self._sampler,
             num_workers=workers,
@@ -244,22 +224,22 @@ class ImageFolderTrainStream:
         return len(self._sampler)
 
     def __iter__(self) -> Iterator[Batch]:
-        for images, labels, bad in self._loader:
+        for images, labels, bad in self._dataloader:
             if bad:
                 self._bad.add(bad)
             yield images, labels
 
     def worker_pids(self) -> list[int]:
         """PIDs of the decode workers (empty before the first epoch or without workers)."""
-        it = self._loader._iterator  # DataLoader keeps the persistent iterator here
+        it = self._dataloader._iterator  # DataLoader keeps the persistent iterator here
         return [w.pid for w in getattr(it, "_workers", [])] if it is not None else []
 
     def close(self) -> None:
         """Stop the workers now (not whenever the garbage collector gets to them)."""
-        it = self._loader._iterator
+        it = self._dataloader._iterator
         if it is not None and hasattr(it, "_shutdown_workers"):
             it._shutdown_workers()
-        self._loader._iterator = None
+        self._dataloader._iterator = None
 
 
 class ImageFolderSource:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from speedrun.errors import SpeedrunError
+from speedrun.errors import SpeedrunError, one_line
 
 log = logging.getLogger("speedrun.data")
 
@@ -238,7 +238,7 @@ def read_header(path: str) -> tuple[int, int] | Unreadable:
     except Exception as e:  # any decoder error means: not a usable image
         # PIL's "cannot identify image file" is an OSError too, but without an errno.
         transient = isinstance(e, OSError) and e.errno is not None
-        return Unreadable(f"{type(e).__name__}: {e}".splitlines()[0][:200], transient)
+        return Unreadable(one_line(e), transient)
     if width <= 0 or height <= 0:
         return Unreadable(f"bad size {width}x{height}")
     return width, height

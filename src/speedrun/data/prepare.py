@@ -29,7 +29,7 @@ from pathlib import Path
 from PIL import Image
 
 from speedrun.data.index import load_index
-from speedrun.errors import SpeedrunError
+from speedrun.errors import SpeedrunError, one_line
 
 REPORT_NAME = "prepare-report.tsv"
 
@@ -153,7 +153,7 @@ def resize_one(task: _Task) -> tuple[int, int, int, str | None]:
                     _atomic_save(img.resize(size, Image.Resampling.LANCZOS), dst, task.quality, task.partial)
                     resized += 1
     except Exception as e:  # a bad image: reported, never fatal
-        return resized, copied, skipped, f"{type(e).__name__}: {e}".splitlines()[0][:200]
+        return resized, copied, skipped, one_line(e)
     return resized, copied, skipped, None
 
 

@@ -1,0 +1,33 @@
+"""What `speedrun train` passes to the loop besides the recipe: one plain dataclass."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from speedrun.recipe import Recipe
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """A run's settings. Frozen: the loop derives what it needs (the run directory it claimed)
+    without changing its input."""
+
+    recipe: Recipe
+    out: Path | None = None  # run directory; None = runs/<recipe>-<date>-<time>
+    data: str | None = None  # data path; None = the source's default lookup
+    device: str | None = None  # "cpu", "cuda", or None for cuda when available
+    resume: bool = False
+    compile: bool = False
+    seed: int = 0
+    deterministic: bool = False
+    workers: int | None = None  # decode processes per device (image folders)
+    copies: str | None = None  # where an image folder's resized copies are (None: <data>-sz)
+    loader: str = "auto"  # image-folder training decode: "auto", "pil" or "dali" (data.build_source)
+    log_every: int = 50  # steps between train-loss records
+    checkpoint_every: int = 1  # epochs between checkpoints (0: never)
+    sync_bn: bool = False  # synchronise BatchNorm statistics across ranks
+    bucket_cap_mb: float = 25.0  # DDP gradient bucket size
+    bf16_grads: bool = False  # compress gradients to bf16 for the all-reduce (CUDA only)
+    precision: str = "auto"  # "auto" (see learner.choose_precision), "bf16", "fp16" or "fp32"
+    process_start: float = field(default_factory=time.time)  # wall clock when the process began
