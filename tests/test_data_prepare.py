@@ -112,13 +112,15 @@ def test_copies_dir_from_environment(tmp_path, monkeypatch):
     source = ImageFolderSource(src, workers=0)
     stream = source.train_stream(Phase(0, 1, size=32, batch_size=2, lr=0.1, copy=64), Shard(), 0)
     assert str(stream._dataloader.dataset.root) == str(tmp_path / "elsewhere" / "64")
-    # Validation follows the training phase's copy: mark the copy's validation images (solid
-    # white), so that reading the full-size tree instead shows.
+    # Validation reads the copy it is told to (the evaluated phase's): mark the copy's validation
+    # images (solid white), so that reading the full-size tree instead shows.
     for path in (tmp_path / "elsewhere" / "64" / "val").rglob("*.JPEG"):
         Image.new("RGB", Image.open(path).size, (255, 255, 255)).save(path, "JPEG")
-    (images, _), = list(source.val_batches(32, 8, False, Shard()))
+    (images, _), = list(source.val_batches(32, 8, False, Shard(), copy=64))
     assert images.shape == (2, 3, 32, 32)
     assert images.min() >= 250
+    (full, _), = list(source.val_batches(32, 8, False, Shard()))
+    assert full.min() < 250
 
 
 def test_cli_prepare_and_errors(tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""Validation plans and batches: rectangular (recipe-facts section 3) and square."""
+"""Validation plans and batches: rectangular (docs/record.md, "Data handling") and square."""
 from __future__ import annotations
 
 import numpy as np

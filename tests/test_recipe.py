@@ -141,7 +141,7 @@ def test_recipe_file_loading(tmp_path):
         load_recipe("imagenet-3x8")
 
 
-# The 2018 schedules as printed in shared/recipe-facts.md section 2, one tuple per row:
+# The 2018 schedules as printed in docs/record.md ("The schedules"), one tuple per row:
 # (start, end, size, per-GPU batch, LR (constant or (start, end)), min_scale, rect_val, copy).
 TABLES = {
     "imagenet-16x8": (128, [

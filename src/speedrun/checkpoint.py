@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import random
-import tempfile
 import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -15,6 +14,7 @@ import numpy as np
 import torch
 
 import speedrun
+from speedrun import files
 from speedrun.config import TrainConfig
 from speedrun.dist import processes
 from speedrun.errors import SpeedrunError
@@ -99,16 +99,10 @@ def save_atomic(state: dict[str, Any], path: str | os.PathLike) -> None:
     (rename is atomic on POSIX file systems, so readers see the old file or the new one)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with files.replacing(path, fsync=True) as tmp, open(tmp, "wb") as f:
+        # A Python file, not a path: a full disk is then an OSError (ENOSPC), not a RuntimeError
+        # from the zip writer's C++ side.
+        torch.save(state, f)
 
 
 class CheckpointWriter:

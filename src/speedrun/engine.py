@@ -10,8 +10,6 @@ import dataclasses
 import errno
 import math
 import os
-import platform
-import resource
 import signal
 import threading
 import time
@@ -28,10 +26,11 @@ from speedrun.data import build_source
 from speedrun.data.base import DataSource, TrainStream
 from speedrun.dist import DistContext, all_reduce_sum, broadcast_object, init_distributed, pick_device, shutdown
 from speedrun.errors import SpeedrunError, TrainingFailed
-from speedrun.learner import DeviceBatches, EvalSettings, Learner, build_learner, check_device_options, evaluate
+from speedrun.learner import (DeviceBatches, EvalSettings, Learner, build_learner, check_device_options,
+                              configure_determinism, evaluate)
 from speedrun.optim import set_lr
 from speedrun.recipe import Phase, Recipe
-from speedrun.track import Tracker, read_jsonl
+from speedrun.track import Tracker, build_results, memory_mb, read_jsonl
 
 PEER_DIED = "another rank probably died"  # the launcher recognises collateral failures by this
 
@@ -118,7 +117,7 @@ def run_epochs(
             last = epoch == recipe.epochs - 1
             if (epoch + 1) % recipe.eval_every == 0 or last:
                 settings = EvalSettings(phase.size, recipe.val_batch_size or phase.batch_size, phase.rect_val,
-                                        recipe.eval_flip, learner.precision)
+                                        recipe.eval_flip, learner.precision, phase.copy)
                 metrics = evaluate(learner.eval_net, source, settings, batches, ctx)
                 # Evaluation time counts towards time-to-target, as in the 2018 record's clock.
                 state.train_s = clock.train_s()
@@ -310,62 +309,3 @@ def claim_run_dir(cfg: TrainConfig, ctx: DistContext) -> rundir.RunDir:
     if problem:
         raise SpeedrunError(problem)
     return claimed or rundir.RunDir(Path(out), lock=None)
-
-
-def configure_determinism(cfg: TrainConfig, ctx: DistContext) -> None:
-    """Deterministic kernels when asked (same results run after run); fastest kernels otherwise."""
-    if cfg.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
-        torch.backends.cudnn.benchmark = False
-    elif ctx.device.type == "cuda":
-        torch.backends.cudnn.benchmark = True
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-
-
-def build_results(
-    cfg: TrainConfig, ctx: DistContext, source: DataSource, state: RunState, evals: list[dict], status: str,
-    session_start: float, precision: str,
-) -> dict[str, Any]:
-    """results.json: what ran, where, how fast, how well (docs/training.md lists the fields)."""
-    recipe = cfg.recipe
-    final = evals[-1] if evals else None
-    return {
-        "status": status,  # target_reached, finished, interrupted or failed
-        "recipe": recipe.to_dict(),
-        "target": dataclasses.asdict(recipe.target) if recipe.target else None,
-        "reached_target": state.time_to_target_s is not None,
-        "time_to_target_s": state.time_to_target_s,
-        "time_to_target_from_first_step_s": state.time_to_target_from_first_step_s,
-        "target_epoch": state.target_epoch,
-        "total_s": state.startup_s + state.train_s,
-        "startup_s": state.startup_s,
-        "epochs_run": state.epoch,
-        "steps": state.step,
-        "best": state.best,
-        "final": final,
-        "world_size": ctx.world_size,
-        "device": device_name(ctx.device),
-        "seed": cfg.seed,
-        "deterministic": cfg.deterministic,
-        "compile": cfg.compile,
-        "precision": precision,
-        "data": cfg.data,
-        "loader": source.loader,
-        "skipped_images": source.skipped_images(),
-        "versions": {"speedrun": speedrun.__version__, "torch": torch.__version__, "python": platform.python_version()},
-        "session_s": time.time() - session_start,
-    }
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
-
-def memory_mb(device: torch.device) -> float:
-    """Peak memory of this process: CUDA allocations on a GPU, resident set size on the CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB

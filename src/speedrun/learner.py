@@ -7,6 +7,7 @@ one optimizer step; `evaluate` scores a model on the validation split across all
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,6 +146,7 @@ class EvalSettings:
     rect: bool = False
     flip: bool = False
     precision: str = "fp32"
+    copy: int | None = None  # image folders: the resized copy to read (the phase's), None for full size
 
 
 @torch.no_grad()
@@ -161,7 +163,7 @@ def evaluate(net: nn.Module, source: DataSource, settings: EvalSettings, batches
         net = net.module
     net.eval()
     sums = torch.zeros(4, dtype=torch.float64, device=ctx.device)  # loss, correct@1, correct@5, count
-    for images, labels in source.val_batches(settings.size, settings.batch_size, settings.rect, ctx.shard):
+    for images, labels in source.val_batches(settings.size, settings.batch_size, settings.rect, ctx.shard, settings.copy):
         x, y = batches.to_device(images, labels)
         with autocast(ctx.device, settings.precision):
             logits = net(x).float()
@@ -211,6 +213,18 @@ def check_device_options(cfg: TrainConfig, device_kind: str) -> None:
             raise SpeedrunError("--sync-bn needs CUDA: PyTorch's SyncBatchNorm runs on GPUs only")
         if cfg.bf16_grads:
             raise SpeedrunError("--bf16-grads compresses NCCL all-reduces and needs CUDA")
+
+
+def configure_determinism(cfg: TrainConfig, ctx: DistContext) -> None:
+    """Deterministic kernels when asked (same results run after run); fastest kernels otherwise."""
+    if cfg.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+    elif ctx.device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
 
 
 def choose_precision(requested: str, device_type: str, capability: tuple[int, int] | None) -> str:

@@ -103,6 +103,8 @@ def build_model(name: str, num_classes: int, in_chans: int = 3) -> nn.Module:
 
 
 def _replace_first_conv(model: nn.Module, in_chans: int) -> None:
+    """A new first convolution taking `in_chans` channels (torchvision's builders have no
+    in_chans argument, which timm's models take and use instead)."""
     for parent in model.modules():
         for child_name, child in parent.named_children():
             if isinstance(child, nn.Conv2d):
@@ -177,7 +179,9 @@ def make_size_agnostic(model: nn.Module, reference_size: int | tuple[int, int] =
 def zero_init_residual_bn(model: nn.Module) -> int:
     """Zero the gamma of the last norm layer in every residual block, so each block starts as the
     identity (Goyal et al. 2017). Knows torchvision's and speedrun's blocks and timm's
-    `zero_init_last`. Returns the number of blocks initialised."""
+    `zero_init_last`, in one place for all three families (torchvision's own
+    `zero_init_residual` flag exists only on its ResNet builders). Returns the number of blocks
+    initialised."""
     count = 0
     for m in model.modules():
         if isinstance(m, torchvision.models.resnet.Bottleneck) and m.bn3.weight is not None:

@@ -10,31 +10,28 @@ from torch import nn
 
 from speedrun.recipe import OptimizerSettings
 
-_NORMS = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm, nn.LocalResponseNorm)
-
 
 def param_groups(model: nn.Module, weight_decay: float, no_decay: str = "norm_bias") -> list[dict]:
     """Split parameters into a decayed and an undecayed group.
 
-    no_decay: "norm_bias" - every parameter of a normalisation layer and every bias is undecayed;
+    no_decay: "norm_bias" - every parameter of a normalisation layer and every bias is undecayed
+                            (timm's param_groups_weight_decay: every 1-D parameter);
               "bn"        - only BatchNorm weight and bias (what the 2018 code did; conv and
-                            linear biases keep their decay);
+                            linear biases keep their decay; timm has no such mode);
               "none"      - everything is decayed.
     """
+    if no_decay == "norm_bias":
+        from timm.optim import param_groups_weight_decay
+
+        return param_groups_weight_decay(model, weight_decay)
+    if no_decay not in ("bn", "none"):
+        raise ValueError(f"unknown no_decay mode {no_decay!r}")
     decay, undecayed = [], []
     for module in model.modules():
-        for name, param in module.named_parameters(recurse=False):
-            if not param.requires_grad:
-                continue
-            if no_decay == "norm_bias":
-                skip = isinstance(module, _NORMS) or name == "bias"
-            elif no_decay == "bn":
-                skip = isinstance(module, nn.modules.batchnorm._BatchNorm)
-            elif no_decay == "none":
-                skip = False
-            else:
-                raise ValueError(f"unknown no_decay mode {no_decay!r}")
-            (undecayed if skip else decay).append(param)
+        for param in module.parameters(recurse=False):
+            if param.requires_grad:
+                skip = no_decay == "bn" and isinstance(module, nn.modules.batchnorm._BatchNorm)
+                (undecayed if skip else decay).append(param)
     groups = [{"params": decay, "weight_decay": weight_decay}]
     if undecayed:
         groups.append({"params": undecayed, "weight_decay": 0.0})
@@ -45,7 +42,8 @@ def build_optimizer(model: nn.Module, settings: OptimizerSettings, lr: float) ->
     """SGD with momentum, or LARS (timm's implementation), over `param_groups`.
 
     LARS adapts the step only of groups with weight decay, so norms and biases take plain SGD
-    steps, as in You et al. 2017 and MLPerf's ResNet-50.
+    steps, as in You et al. 2017 and MLPerf's ResNet-50. (Not timm's create_optimizer_v2: its
+    optimizer names fold Nesterov in, "sgd" meaning Nesterov, where a recipe states it apart.)
     """
     groups = param_groups(model, settings.weight_decay, settings.no_decay)
     if settings.name == "sgd":

@@ -64,7 +64,7 @@ def evaluate_run(cfg: EvalConfig) -> dict[str, Any]:
             model = model.to(ctx.device, memory_format=torch.channels_last if channels_last else torch.preserve_format)
             precision = choose_precision(cfg.precision, ctx.device.type, device_capability(ctx.device))
             batches = DeviceBatches(source, ctx.device, channels_last)
-            metrics = evaluate(model, source, EvalSettings(size, batch_size, rect, flip, precision), batches, ctx)
+            metrics = evaluate(model, source, EvalSettings(size, batch_size, rect, flip, precision, last.copy), batches, ctx)
         finally:
             source.close()
         record = {

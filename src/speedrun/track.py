@@ -7,21 +7,35 @@ Run directory layout (`--out DIR`):
     metrics.jsonl              one JSON line per evaluation
     steps.jsonl                one JSON line every --log-every training steps (loss, LR)
     checkpoint.pt              the latest checkpoint (atomic; see speedrun.checkpoint)
-    results.json               the summary: recipe, versions, device, times, best metrics
+    results.json               the summary: recipe, versions, device, times, best metrics (build_results)
     accuracy.png               accuracy against wall time and against epoch
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
+import platform
+import resource
+import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+import speedrun
+from speedrun import files
 from speedrun.errors import SpeedrunError
+
+if TYPE_CHECKING:  # types only: the loop hands these in
+    from speedrun.checkpoint import RunState
+    from speedrun.config import TrainConfig
+    from speedrun.data.base import DataSource
+    from speedrun.dist import DistContext
 
 
 class Tracker:
@@ -160,18 +174,11 @@ def _append_jsonl(path: Path, record: dict[str, Any]) -> None:
 
 def _truncate_jsonl(path: Path, keep) -> None:
     if path.exists():
-        _write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in read_jsonl(path) if keep(r)))
+        files.write_text(path, "".join(json.dumps(r) + "\n" for r in read_jsonl(path) if keep(r)))
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
-    _write_text_atomic(path, json.dumps(data, indent=2) + "\n")
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    """Readers see the old file or the new one, never half of one (temporary file, then rename)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    files.write_text(path, json.dumps(data, indent=2) + "\n")
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
@@ -194,3 +201,50 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
                 continue
             raise SpeedrunError(f"{path}, line {number}: not a JSON record ({line[:60]!r}); fix or remove the line") from None
     return records
+
+
+def build_results(
+    cfg: TrainConfig, ctx: DistContext, source: DataSource, state: RunState, evals: list[dict], status: str,
+    session_start: float, precision: str,
+) -> dict[str, Any]:
+    """results.json: what ran, where, how fast, how well (docs/training.md lists the fields)."""
+    recipe = cfg.recipe
+    final = evals[-1] if evals else None
+    return {
+        "status": status,  # target_reached, finished, interrupted or failed
+        "recipe": recipe.to_dict(),
+        "target": dataclasses.asdict(recipe.target) if recipe.target else None,
+        "reached_target": state.time_to_target_s is not None,
+        "time_to_target_s": state.time_to_target_s,
+        "time_to_target_from_first_step_s": state.time_to_target_from_first_step_s,
+        "target_epoch": state.target_epoch,
+        "total_s": state.startup_s + state.train_s,
+        "startup_s": state.startup_s,
+        "epochs_run": state.epoch,
+        "steps": state.step,
+        "best": state.best,
+        "final": final,
+        "world_size": ctx.world_size,
+        "device": device_name(ctx.device),
+        "seed": cfg.seed,
+        "deterministic": cfg.deterministic,
+        "compile": cfg.compile,
+        "precision": precision,
+        "data": cfg.data,
+        "loader": source.loader,
+        "skipped_images": source.skipped_images(),
+        "versions": {"speedrun": speedrun.__version__, "torch": torch.__version__, "python": platform.python_version()},
+        "session_s": time.time() - session_start,
+    }
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+def memory_mb(device: torch.device) -> float:
+    """Peak memory of this process: CUDA allocations on a GPU, resident set size on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from speedrun import files
 from speedrun.errors import SpeedrunError
 
 
@@ -49,9 +49,7 @@ def save(record: JobRecord, home: str | os.PathLike | None = None) -> Path:
     d = speedrun_home(home) / "jobs"
     d.mkdir(parents=True, exist_ok=True)
     path = d / f"{record.name}.json"
-    with tempfile.NamedTemporaryFile("w", dir=d, prefix=f".{record.name}.", delete=False) as f:
-        json.dump(asdict(record), f, indent=2)
-    os.replace(f.name, path)
+    files.write_text(path, json.dumps(asdict(record), indent=2))
     return path
 
 

@@ -84,7 +84,8 @@ class DataSource(Protocol):
 
     def train_stream(self, phase: Phase, shard: Shard, seed: int) -> TrainStream: ...
 
-    def val_batches(self, size: int, batch_size: int, rect: bool, shard: Shard) -> Iterable[Batch]: ...
+    # `copy`: the resized copy to read (the evaluated phase's), None for full size.
+    def val_batches(self, size: int, batch_size: int, rect: bool, shard: Shard, copy: int | None = None) -> Iterable[Batch]: ...
 
     def skipped_images(self) -> dict[str, int] | None: ...  # files left out so far; None: never any
 

@@ -148,8 +148,9 @@ class FashionMNIST:
         # points of top-1 at epoch 4 of 10 in a measured run) and move by up to 2 px.
         return TensorTrainStream(self.train_images, self.train_labels, phase, shard, seed, pad=2, ratio=(1.0, 1.0))
 
-    def val_batches(self, size: int, batch_size: int, rect: bool, shard: Shard):
-        """Whole test images resized to `size` px (`rect` changes nothing: they are square)."""
+    def val_batches(self, size: int, batch_size: int, rect: bool, shard: Shard, copy: int | None = None):
+        """Whole test images resized to `size` px (`rect` and `copy` change nothing: they are
+        square, and there are no resized copies)."""
         num_batches = -(-self.num_val // batch_size)
         for b in split_batches_contiguously(num_batches, shard):
             images = self.val_images[b * batch_size : (b + 1) * batch_size]

@@ -6,8 +6,8 @@ Where things are read from:
   ``COPIES/N/{train,val}``, where COPIES is, in order, the `copies_dir` argument, the
   environment variable ``SPEEDRUN_COPIES``, or ``<ROOT>-sz`` beside ROOT (the 2018 layout:
   ``imagenet`` and ``imagenet-sz/160``). A missing copy falls back to the full-size tree with
-  one logged warning. Validation reads the copy of the most recent training phase (as the
-  2018 loader did), or the full-size tree before any.
+  one logged warning. Validation reads the copy it is given (the evaluated phase's, as the
+  2018 loader did), or the full-size tree.
 
 Batches are uint8 N x C x H x W tensors whose memory is channels-last (N x H x W x C underneath,
 exactly as images decode): no transpose copy on the CPU, and ``.contiguous(channels_last)`` on
@@ -293,7 +293,6 @@ class ImageFolderSource:
         self.bad_images = BadImages()
         self._indexes: dict[int | None, Index | None] = {}
         self._warned: set[int] = set()
-        self._val_copy: int | None = None
 
         full = self.index(None)
         self.name = f"imagefolder:{self.root.name}"
@@ -348,7 +347,6 @@ class ImageFolderSource:
 
     def train_stream(self, phase: Phase, shard: Shard, seed: int) -> TrainStream:
         copy, _ = self._resolve(phase.copy)
-        self._val_copy = copy
         if self.loader == "dali":
             from speedrun.data.dali import DaliTrainStream
 
@@ -362,16 +360,17 @@ class ImageFolderSource:
                                 seed, self.options.draft)
         return ImageFolderTrainStream(dataset, shard, seed, phase.batch_size, self.options, self.bad_images)
 
-    def val_plan(self, size: int, batch_size: int, rect: bool) -> list[ValBatch]:
-        """Every validation batch (all ranks), in order; see `data.rect`."""
-        split = self._val_split(self._val_copy)
+    def val_plan(self, size: int, batch_size: int, rect: bool, copy: int | None = None) -> list[ValBatch]:
+        """Every validation batch (all ranks), in order, from the `copy` px copy (None: full size;
+        a missing copy falls back to full size); see `data.rect`."""
+        split = self._val_split(copy)
         if rect:
             return rect_plan(split.widths, split.heights, size, batch_size)
         return square_plan(len(split), size, batch_size)
 
-    def val_batches(self, size: int, batch_size: int, rect: bool, shard: Shard) -> Iterator[Batch]:
-        copy = self._val_copy
-        plan = self.val_plan(size, batch_size, rect)
+    def val_batches(self, size: int, batch_size: int, rect: bool, shard: Shard, copy: int | None = None) -> Iterator[Batch]:
+        copy, _ = self._resolve(copy)
+        plan = self.val_plan(size, batch_size, rect, copy)
         mine = [plan[i] for i in split_batches_contiguously(len(plan), shard)]
         if not mine:
             return

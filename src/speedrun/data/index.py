@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from speedrun import files
 from speedrun.errors import SpeedrunError, one_line
 
 log = logging.getLogger("speedrun.data")
@@ -318,20 +319,18 @@ def _save_cache(path: Path, rows: dict[str, tuple[int, int, int, int]]) -> None:
     """Atomic write: a crash leaves the old cache or the new one, never half of one."""
     keys = sorted(rows)
     values = np.array([rows[k] for k in keys], dtype=np.int64).reshape(-1, 4)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.npz")
     try:
-        np.savez(
-            tmp,
-            version=np.int64(INDEX_VERSION),
-            paths=np.array([os.fsencode(k) for k in keys], dtype=np.bytes_),
-            sizes=values[:, 0],
-            mtimes=values[:, 1],
-            widths=values[:, 2],
-            heights=values[:, 3],
-        )
-        os.replace(tmp, path)
+        with files.replacing(path, suffix=".tmp.npz") as tmp:  # .npz: numpy adds it otherwise
+            np.savez(
+                tmp,
+                version=np.int64(INDEX_VERSION),
+                paths=np.array([os.fsencode(k) for k in keys], dtype=np.bytes_),
+                sizes=values[:, 0],
+                mtimes=values[:, 1],
+                widths=values[:, 2],
+                heights=values[:, 3],
+            )
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         log.warning("could not write index cache %s: %s", path, e)
 
 

@@ -3,7 +3,7 @@
 Square (the default): images in index order, cut into batches; every image is resized so its
 shorter side is int(size * 1.14) px and centre-cropped to size x size.
 
-Rectangular (the 2018 recipe, shared/recipe-facts.md section 3): sort the images by aspect
+Rectangular (the 2018 recipe, docs/record.md, "Data handling"): sort the images by aspect
 ratio w/h (stable, so ties keep index order), cut the sorted list into consecutive chunks of
 `batch_size`, give every image its chunk's mean aspect ratio (rounded to 5 decimals, as the
 original), resize the shorter side to int(size * 1.14), then centre-crop to short side = size

@@ -1,6 +1,6 @@
 """The 2018 ImageNet-in-18-minutes schedules (ResNet-50, 93% top-5), one per machine count.
 
-Numbers are the record runs' own (shared/recipe-facts.md section 2). Every machine had 8 V100s,
+Numbers are the record runs' own (docs/record.md, "The schedules"). Every machine had 8 V100s,
 so `world_size` is machines x 8 and batch sizes are per GPU. Rows that change only the batch size
 keep the data pipeline; `min_scale` and rectangular validation carry over to later rows at the
 same image size, as they did in the original. Unstated min_scale values are 0.08, the loader's
