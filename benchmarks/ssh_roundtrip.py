@@ -2,7 +2,7 @@
 
     sudo python benchmarks/ssh_roundtrip.py [--runs 50]
 
-It makes its own host (a network namespace running sshd, from speedrun.cluster.testing; needs
+It makes its own host (a network namespace running sshd, tests/netns.py; needs
 root) and times, over the multiplexed connection speedrun keeps open:
 
   task.run("true")           what a user calls: script file, tmux window, log, exit status back
@@ -20,11 +20,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Callable
 
 from speedrun.cluster import make_job
-from speedrun.cluster.ssh import SSHHost
-from speedrun.cluster.testing import NetnsCluster, unavailable_reason
+from speedrun.cluster.ssh import SSHHost, SSHOptions
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the namespace-host harness
+from netns import NetnsCluster, unavailable_reason  # noqa: E402
 
 GOAL_S = 0.1
 
@@ -56,8 +59,8 @@ def main() -> int:
         return 2
 
     with NetnsCluster(1) as cluster, tempfile.TemporaryDirectory() as tmp:
-        job = make_job("bench", 1, provider="ssh", hosts=cluster.specs, identity_file=cluster.client_key,
-                       known_hosts=cluster.known_hosts, run_root=f"{tmp}/runs", home=tmp)
+        job = make_job("bench", 1, provider="ssh", hosts=cluster.specs, run_root=f"{tmp}/runs", home=tmp,
+                       ssh=SSHOptions(known_hosts=cluster.known_hosts, identity_file=cluster.client_key))
         task = job[0]
         host: SSHHost = task.host  # type: ignore[assignment]
         try:

@@ -15,10 +15,14 @@ def start(*args: str, **kw) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, **kw)
 
 
-def wait_for(predicate, timeout_s: float, what: str) -> None:
-    """Poll `predicate` until it holds (a bounded wait for a file, not a sleep as synchronisation)."""
+def wait_for(predicate, timeout_s: float, what: str):
+    """Poll `predicate` until it returns something true, and return that (a bounded wait for a
+    file or a state, not a sleep as synchronisation)."""
     deadline = time.monotonic() + timeout_s
-    while not predicate():
+    while True:
+        value = predicate()
+        if value:
+            return value
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
         time.sleep(0.05)

@@ -3,27 +3,27 @@ and full-disk cases (see fs_helpers)."""
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from fs_helpers import mount_tmpfs, require_root
 
 
+def tmpfs(path: Path, options: str, what: str) -> Iterator[Path]:
+    require_root(what)
+    mount_tmpfs(path, options)
+    yield path
+    subprocess.run(["umount", "-l", str(path)], check=False)
+
+
 @pytest.fixture
-def read_only_dir(tmp_path) -> Path:
+def read_only_dir(tmp_path) -> Iterator[Path]:
     """An empty read-only file system."""
-    require_root("the read-only file system test")
-    path = tmp_path / "ro"
-    mount_tmpfs(path, "ro,size=1m")
-    yield path
-    subprocess.run(["umount", "-l", str(path)], check=False)
+    yield from tmpfs(tmp_path / "ro", "ro,size=1m", "the read-only file system test")
 
 
 @pytest.fixture
-def small_disk(tmp_path) -> Path:
+def small_disk(tmp_path) -> Iterator[Path]:
     """An 8 MiB file system, for filling up."""
-    require_root("the full-disk test")
-    path = tmp_path / "small"
-    mount_tmpfs(path, "size=8m")
-    yield path
-    subprocess.run(["umount", "-l", str(path)], check=False)
+    yield from tmpfs(tmp_path / "small", "size=8m", "the full-disk test")

@@ -1,6 +1,6 @@
 """Fixtures for the cluster tests: a private tmux server and speedrun home, and namespace hosts.
 
-Real parts only: real tmux, real sshd in network namespaces (speedrun.cluster.testing), real ssh.
+Real parts only: real tmux, real sshd in network namespaces (tests/netns.py), real ssh.
 """
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from typing import Callable
 
 import pytest
 
-from speedrun.cluster import make_job
-from speedrun.cluster.testing import NetnsCluster, unavailable_reason
+from speedrun.cluster import SSHOptions, make_job
+from netns import NetnsCluster, unavailable_reason
 
 _names = itertools.count()
 
@@ -81,7 +81,7 @@ def local_job(tmp_path, job_name) -> Callable:
 
 @pytest.fixture(scope="session")
 def netns() -> NetnsCluster:
-    """Two hosts as network namespaces running sshd (see speedrun.cluster.testing). Skipped
+    """Two hosts as network namespaces running sshd (see tests/netns.py). Skipped
     where namespaces cannot be made, except under CI (CI=true), where that is a failure: the
     multi-host tests must run there."""
     reason = unavailable_reason()
@@ -108,8 +108,7 @@ def ssh_job(netns, shared_dir, job_name) -> Callable:
 
     def make(name: str = job_name, num_tasks: int = 2, **kwargs):
         kwargs.setdefault("hosts", netns.specs)
-        kwargs.setdefault("identity_file", netns.client_key)
-        kwargs.setdefault("known_hosts", netns.known_hosts)
+        kwargs.setdefault("ssh", SSHOptions(known_hosts=netns.known_hosts, identity_file=netns.client_key))
         kwargs.setdefault("run_root", str(shared_dir / "runs"))
         job = make_job(name, num_tasks, provider="ssh", **kwargs)
         jobs.append(job)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from speedrun.cluster import CommandFailed, make_job
-from speedrun.cluster.testing import poll_until
+from cli_run import wait_for
 from speedrun.errors import SpeedrunError
 
 
@@ -109,7 +109,7 @@ def test_a_busy_window_name_is_refused(local_job):
 def test_kill_a_background_command(local_job):
     job = local_job()
     c = job[0].run("echo $$ > pid.txt; sleep 300", background=True, name="sleeper")
-    poll_until(lambda: job[0].exists("pid.txt") and job[0].read("pid.txt").strip(), 30, "the command's pid")
+    wait_for(lambda: job[0].exists("pid.txt") and job[0].read("pid.txt").strip(), 30, "the command's pid")
     pid = int(job[0].read("pid.txt"))
     c.kill()
     assert c.state() == "killed"
@@ -247,11 +247,11 @@ def test_logs_follow_streams_until_the_command_ends(local_job, tmp_path):
     job = local_job()
     gate = tmp_path / "gate"
     job[0].run(f"echo first; while [ ! -e {gate} ]; do sleep 0.05; done; echo last", background=True, name="train")
-    poll_until(lambda: "first" in job[0].command("train").output(), 30, "the first line")
+    wait_for(lambda: "first" in job[0].command("train").output(), 30, "the first line")
     out = io.StringIO()
     follower = threading.Thread(target=job.logs, kwargs=dict(follow=True, out=out))
     follower.start()
-    poll_until(lambda: "first" in out.getvalue(), 30, "the follower to print the first line")
+    wait_for(lambda: "first" in out.getvalue(), 30, "the follower to print the first line")
     assert follower.is_alive()  # still following: the command has not ended
     gate.touch()
     follower.join(timeout=60)
@@ -268,7 +268,7 @@ def test_attach_joins_the_session_in_a_terminal(local_job):
         os.environ.pop("TMUX", None)
         os.execvp(argv[0], argv)
     try:
-        clients = poll_until(lambda: tmux("list-clients", "-t", f"={job[0].session}",
+        clients = wait_for(lambda: tmux("list-clients", "-t", f"={job[0].session}",
                                           "-F", "#{client_session} #{window_name}").stdout.split(), 30,
                              "the attached client")
         assert clients == [job[0].session, "train"]

@@ -1,6 +1,7 @@
-"""The ssh provider against real sshd servers in network namespaces (speedrun.cluster.testing)."""
+"""The ssh provider against real sshd servers in network namespaces (tests/netns.py)."""
 from __future__ import annotations
 
+import dataclasses
 import io
 import subprocess
 import urllib.request
@@ -10,7 +11,7 @@ import pytest
 
 from speedrun.cluster import CommandFailed, make_job
 from speedrun.cluster.ssh import SSHHost, SSHOptions
-from speedrun.cluster.testing import poll_until
+from cli_run import wait_for
 from speedrun.errors import SpeedrunError
 
 pytestmark = pytest.mark.netns
@@ -104,24 +105,24 @@ def test_sync_to_every_host(ssh_job, tmp_path):
 def test_a_host_refusing_connections_is_a_clear_error(netns, shared_dir):
     with pytest.raises(SpeedrunError) as e:
         make_job("refused", 1, provider="ssh", hosts=[f"root@{netns.hosts[0].address}:2222"],
-                 identity_file=netns.client_key, known_hosts=netns.known_hosts, run_root=str(shared_dir))
+                 ssh=SSHOptions(known_hosts=netns.known_hosts, identity_file=netns.client_key), run_root=str(shared_dir))
     msg = str(e.value)
     assert "connection refused" in msg and f"{netns.hosts[0].address}:2222" in msg and "\n" not in msg
 
 
 def test_an_unknown_host_key_is_refused_unless_asked(netns, shared_dir, tmp_path):
     pinned = tmp_path / "known_hosts"  # empty: nothing known
-    kwargs = dict(provider="ssh", hosts=[netns.specs[1]], identity_file=netns.client_key, known_hosts=pinned,
-                  run_root=str(shared_dir))
+    strict = SSHOptions(known_hosts=pinned, identity_file=netns.client_key)
+    kwargs = dict(provider="ssh", hosts=[netns.specs[1]], run_root=str(shared_dir))
     with pytest.raises(SpeedrunError, match="host key of .* is not known .*--accept-new-host-keys"):
-        make_job("unknown-key", 1, **kwargs)
+        make_job("unknown-key", 1, ssh=strict, **kwargs)
     assert pinned.read_text() == ""
-    job = make_job("unknown-key", 1, accept_new_host_keys=True, **kwargs)
+    job = make_job("unknown-key", 1, ssh=dataclasses.replace(strict, accept_new_host_keys=True), **kwargs)
     assert job[0].run("echo in").output == "in\n"
     assert pinned.read_text() == netns.hosts[1].known_hosts_line()  # pinned in speedrun's file
     job.kill()
     job.close()
-    job = make_job("unknown-key", 1, **kwargs)  # strict again: the pinned key is enough
+    job = make_job("unknown-key", 1, ssh=strict, **kwargs)  # strict again: the pinned key is enough
     assert job[0].run("echo again").output == "again\n"
     job.kill()
     job.close()
@@ -132,8 +133,8 @@ def test_a_changed_host_key_is_refused_even_when_accepting_new_ones(netns, share
     h0, h1 = netns.hosts
     wrong.write_text(f"{h0.address} {h1.host_public_key}\n")  # another host's key under h0's name
     with pytest.raises(SpeedrunError, match="differs from the one pinned"):
-        make_job("changed-key", 1, provider="ssh", hosts=[h0.spec], identity_file=netns.client_key,
-                 known_hosts=wrong, accept_new_host_keys=True, run_root=str(shared_dir))
+        make_job("changed-key", 1, provider="ssh", hosts=[h0.spec], run_root=str(shared_dir),
+                 ssh=SSHOptions(known_hosts=wrong, identity_file=netns.client_key, accept_new_host_keys=True))
 
 
 def test_a_dead_master_connection_is_replaced(ssh_job, netns):
@@ -187,5 +188,5 @@ def test_tensorboard_is_bound_to_localhost_and_forwarded(ssh_job, netns):
         assert listening.split()[3] == f"127.0.0.1:{remote_port}"
     finally:
         tb.close()
-    poll_until(lambda: tb.tunnel.poll() is not None, 30, "the tunnel to close")
+    wait_for(lambda: tb.tunnel.poll() is not None, 30, "the tunnel to close")
     assert tb.command.state() == "killed"

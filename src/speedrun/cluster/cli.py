@@ -107,6 +107,7 @@ class StderrHandler(logging.Handler):
 
 def cmd_launch(args: argparse.Namespace) -> int:
     from speedrun.cluster.job import make_job
+    from speedrun.cluster.ssh import SSHOptions
 
     show_progress()
 
@@ -136,11 +137,11 @@ def cmd_launch(args: argparse.Namespace) -> int:
         if not args.setup.is_file():
             raise SpeedrunError(f"setup script {args.setup} does not exist")
         setup = args.setup.read_text()
-    ssh = dict(identity_file=args.identity, known_hosts=args.known_hosts, ssh_config=args.ssh_config,
-               accept_new_host_keys=args.accept_new_host_keys) if provider == "ssh" else {}
+    ssh = SSHOptions(known_hosts=args.known_hosts, identity_file=args.identity, ssh_config=args.ssh_config,
+                     accept_new_host_keys=args.accept_new_host_keys) if provider == "ssh" else None
     job = make_job(args.name, num_tasks, provider=provider, hosts=hosts, run_root=args.run_root,
                    run_name=args.run_name, setup=setup, sync=args.sync, restart=args.restart, python=args.python,
-                   **ssh)
+                   ssh=ssh)
     argv = [a.replace("{run_dir}", job.run_dir) for a in argv]
     already = job.reconnected
     commands = job.launch(argv, nproc_per_node=args.nproc_per_node, name=args.window, env=env)

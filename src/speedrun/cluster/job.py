@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence, TextIO, TypeVar
 
 from speedrun.cluster import registry, tmux
 from speedrun.cluster.hosts import Host
-from speedrun.cluster.providers import LocalProvider, Provider, SSHProvider, provider_from_record
+from speedrun.cluster.providers import Provider, make_provider, provider_from_record
 from speedrun.cluster.ssh import SSHOptions
 from speedrun.cluster.tensorboard import TensorBoard, start_tensorboard
 from speedrun.cluster.task import Command, CommandFailed, Result, Task, check_name, tmux_message
@@ -300,35 +300,12 @@ class Job:
         self.provider.close()
 
 
-def make_provider(provider: str | Provider, hosts: Sequence[str], *, known_hosts: str | os.PathLike | None,
-                  identity_file: str | os.PathLike | None, ssh_config: str | os.PathLike | None,
-                  accept_new_host_keys: bool, home: str | os.PathLike | None) -> Provider:
-    """A Provider from make_job's arguments."""
-    if isinstance(provider, Provider):
-        return provider
-    if provider == "local":
-        if hosts:
-            raise SpeedrunError("hosts were given for the local provider: use provider='ssh' (--provider ssh)")
-        return LocalProvider()
-    if provider == "ssh":
-        def path(p: str | os.PathLike | None) -> Path | None:
-            return Path(p).expanduser().resolve() if p is not None else None
-        if identity_file is not None and not Path(identity_file).expanduser().is_file():
-            raise SpeedrunError(f"identity file {identity_file} does not exist")
-        options = SSHOptions(known_hosts=path(known_hosts) or registry.default_known_hosts(home),
-                             identity_file=path(identity_file), ssh_config=path(ssh_config),
-                             accept_new_host_keys=accept_new_host_keys)
-        return SSHProvider(hosts, options)
-    raise SpeedrunError(f"unknown provider {provider!r}: use 'local' or 'ssh'")
-
-
 def make_job(name: str, num_tasks: int = 1, *, provider: str | Provider = "local", hosts: Sequence[str] = (),
              run_root: str = "runs", run_name: str = "run", setup: str | None = None,
              sync: str | os.PathLike | None = None, sync_exclude: Sequence[str] = DEFAULT_SYNC_EXCLUDE,
              restart: bool = False, python: str = "python3", host_dir: str = "~/.speedrun",
-             tmux_socket: str = "speedrun", known_hosts: str | os.PathLike | None = None,
-             identity_file: str | os.PathLike | None = None, ssh_config: str | os.PathLike | None = None,
-             accept_new_host_keys: bool = False, home: str | os.PathLike | None = None) -> Job:
+             tmux_socket: str = "speedrun", ssh: SSHOptions | None = None,
+             home: str | os.PathLike | None = None) -> Job:
     """Get num_tasks hosts and a run directory for job `name`, or reconnect to it if it is running.
 
     provider: "local" (this machine) or "ssh" (then `hosts`: ["user@host:port", ...]), or a Provider.
@@ -341,9 +318,9 @@ def make_job(name: str, num_tasks: int = 1, *, provider: str | Provider = "local
     python: the Python on the hosts (for torchrun and helpers).
     host_dir: speedrun's directory on each host (setup marks, synced code).
     tmux_socket: the tmux server (`tmux -L <socket>`) that holds the job's sessions.
-    known_hosts, identity_file, ssh_config, accept_new_host_keys: see SSHOptions. Host keys are
-        checked strictly; accept_new_host_keys learns unknown ones and pins them in known_hosts
-        (default $SPEEDRUN_HOME/known_hosts).
+    ssh: how to reach ssh hosts (SSHOptions: known_hosts, identity_file, ssh_config,
+        accept_new_host_keys). Host keys are checked strictly; accept_new_host_keys learns unknown
+        ones and pins them in known_hosts (default $SPEEDRUN_HOME/known_hosts).
     home: speedrun's local directory (default $SPEEDRUN_HOME or ~/.config/speedrun).
     """
     check_name(name, "job name")
@@ -354,8 +331,7 @@ def make_job(name: str, num_tasks: int = 1, *, provider: str | Provider = "local
         raise SpeedrunError(f"host_dir must be absolute or start with ~/, got {host_dir!r}")
     if sync is not None and not Path(sync).is_dir():
         raise SpeedrunError(f"sync directory {sync} does not exist")
-    prov = make_provider(provider, hosts, known_hosts=known_hosts, identity_file=identity_file,
-                         ssh_config=ssh_config, accept_new_host_keys=accept_new_host_keys, home=home)
+    prov = make_provider(provider, hosts, ssh, home)
     hosts_ = prov.hosts(num_tasks)
     sessions = [f"{name}-{i}" for i in range(num_tasks)]
     setup_mark = f"{host_dir.rstrip('/')}/setup/{name}.sha256"

@@ -25,10 +25,12 @@ import stat
 import subprocess
 import tempfile
 import threading
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from speedrun.cluster import registry
 from speedrun.cluster.hosts import Host, ShellResult
 from speedrun.errors import SpeedrunError, last_line
 
@@ -72,14 +74,15 @@ class HostSpec:
 class SSHOptions:
     """How to reach SSH hosts (the same for all hosts of a job).
 
-    known_hosts: speedrun's own file of pinned host keys (made if missing).
+    known_hosts: speedrun's own file of pinned host keys (made if missing; None: the default,
+        $SPEEDRUN_HOME/known_hosts, filled in by the ssh provider).
     identity_file: a private key to use instead of ssh's defaults and agent.
     ssh_config: an ssh_config file to use instead of ~/.ssh/config.
     accept_new_host_keys: learn and pin the key of a host seen for the first time.
     connect_timeout: seconds to wait for a TCP connection.
     """
 
-    known_hosts: Path
+    known_hosts: Path | None = None
     identity_file: Path | None = None
     ssh_config: Path | None = None
     accept_new_host_keys: bool = False
@@ -102,6 +105,8 @@ class SSHHost(Host):
 
     def __init__(self, spec: str | HostSpec, options: SSHOptions):
         self.spec = spec if isinstance(spec, HostSpec) else HostSpec.parse(spec)
+        if options.known_hosts is None:
+            options = dataclasses.replace(options, known_hosts=registry.default_known_hosts())
         self.options = options
         self.name = str(self.spec)
         identity = "\0".join(map(str, (self.spec, options.known_hosts, options.identity_file, options.ssh_config)))

@@ -305,19 +305,6 @@ def keygen(path: Path, comment: str) -> None:
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path)], check=True)
 
 
-def poll_until(condition, timeout: float, what: str):
-    """Call condition() until it returns something true (returned), for at most timeout seconds
-    (then TimeoutError). For tests: wait for a file or a state, never for a fixed time."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(0.05)
-
-
 def wait_for_port(address: str, port: int, timeout: float, what: str) -> None:
     """Poll until something accepts TCP connections on address:port, at most timeout seconds."""
     deadline = time.monotonic() + timeout
