@@ -59,7 +59,7 @@ def main() -> int:
         return 2
 
     with NetnsCluster(1) as cluster, tempfile.TemporaryDirectory() as tmp:
-        job = make_job("bench", 1, provider="ssh", hosts=cluster.specs, run_root=f"{tmp}/runs", home=tmp,
+        job = make_job("bench", 1, provider="ssh", hosts=cluster.specs, run_root=f"{tmp}/runs", config_dir=tmp,
                        ssh=SSHOptions(known_hosts=cluster.known_hosts, identity_file=cluster.client_key))
         task = job[0]
         host: SSHHost = task.host  # type: ignore[assignment]

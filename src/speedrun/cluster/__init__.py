@@ -13,7 +13,8 @@ serves a run's events; cli is `speedrun launch | ls | attach | logs | kill | tb`
 hosts out of network namespaces for tests and benchmarks.
 """
 from speedrun.cluster.hosts import Host, LocalHost
-from speedrun.cluster.job import Job, TaskStatus, make_job, open_job
+from speedrun.cluster.job import Job, TaskStatus
+from speedrun.cluster.lifecycle import make_job, open_job
 from speedrun.cluster.providers import LocalProvider, Provider, SSHProvider
 from speedrun.cluster.ssh import SSHHost, SSHOptions
 from speedrun.cluster.task import Command, CommandFailed, Result, Task

@@ -106,7 +106,7 @@ class StderrHandler(logging.Handler):
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from speedrun.cluster.job import make_job
+    from speedrun.cluster.lifecycle import make_job
     from speedrun.cluster.ssh import SSHOptions
 
     show_progress()
@@ -171,7 +171,7 @@ def format_uptime(seconds: float | None) -> str:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     from speedrun.cluster import registry
-    from speedrun.cluster.job import open_job
+    from speedrun.cluster.lifecycle import open_job
 
     records = [registry.load(args.name)] if args.name else registry.load_all()
     if not records:
@@ -189,7 +189,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_attach(args: argparse.Namespace) -> int:
-    from speedrun.cluster.job import open_job
+    from speedrun.cluster.lifecycle import open_job
 
     job = open_job(args.name)
     if not 0 <= args.task < len(job):
@@ -198,7 +198,7 @@ def cmd_attach(args: argparse.Namespace) -> int:
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
-    from speedrun.cluster.job import open_job
+    from speedrun.cluster.lifecycle import open_job
 
     job = open_job(args.name)
     if args.task is not None and not 0 <= args.task < len(job):
@@ -208,7 +208,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 
 def cmd_kill(args: argparse.Namespace) -> int:
-    from speedrun.cluster.job import open_job
+    from speedrun.cluster.lifecycle import open_job
 
     job = open_job(args.name, probe=False)
     job.kill()
@@ -217,7 +217,7 @@ def cmd_kill(args: argparse.Namespace) -> int:
 
 
 def cmd_tb(args: argparse.Namespace) -> int:
-    from speedrun.cluster.job import open_job
+    from speedrun.cluster.lifecycle import open_job
 
     job = open_job(args.name)
     tb = job.tensorboard(local_port=args.port)

@@ -1,38 +1,26 @@
-"""Job: N tasks on N hosts (or N sessions on this machine), made and driven from Python.
+"""Job: N tasks on N hosts (or N sessions on this machine), and what can be done with all of
+them at once: run, upload, launch one torchrun per node, wait, status, logs, attach, kill,
+TensorBoard. A Job is made (or found again) by speedrun.cluster.lifecycle's make_job and open_job.
 
     job = make_job("resnet", 2, provider="ssh", hosts=["gpu1", "gpu2"], run_root="/shared/runs",
                    setup=open("setup.sh").read(), sync=".")
     job.launch(f"-m speedrun train --recipe imagenet-2x8 --out {job.run_dir}", nproc_per_node=8)
     job.logs(follow=True)
-
-make_job gets the hosts from the provider, then:
-
-1. looks at each host: if the job is running there (a command other than the idle shell is alive in
-   its tmux sessions), it reconnects to that run and changes nothing; with restart=True it replaces it;
-2. otherwise it starts a new run: claims `<run_root>/<job>/<run_name>.<NN>` on task 0 (storage every
-   task sees), makes one tmux session per task, syncs the working tree to each host (`sync`) and runs
-   the setup script once per host, again only when its text changed (a hash is kept on the host);
-3. records the job under ~/.config/speedrun/jobs so that the CLI can find it again.
 """
 from __future__ import annotations
 
 import concurrent.futures
-import hashlib
 import logging
 import os
-import posixpath
 import shlex
 import sys
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence, TextIO, TypeVar
 
-from speedrun.cluster import registry, tmux
-from speedrun.cluster.hosts import Host
-from speedrun.cluster.providers import Provider, make_provider, provider_from_record
-from speedrun.cluster.ssh import SSHOptions
+from speedrun.cluster import tmux
+from speedrun.cluster.providers import Provider
 from speedrun.cluster.tensorboard import TensorBoard, start_tensorboard
 from speedrun.cluster.task import Command, CommandFailed, Result, Task, check_name, tmux_message
 from speedrun.errors import SpeedrunError
@@ -63,26 +51,6 @@ def parallel(fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
 
 
 @dataclass
-class TaskProbe:
-    """What make_job learns about a task's host before deciding anything (see tmux.probe)."""
-
-    home: str
-    ip: str
-    session: bool
-    run_dir: str
-    created: int
-    now: int
-    windows: list[tuple[bool, str]]  # (alive, window name)
-    last_seq: int
-    setup_hash: str
-
-    @property
-    def running(self) -> list[str]:
-        """Names of the windows whose commands are still running (the idle shell does not count)."""
-        return [name for alive, name in self.windows if alive and name != "shell"]
-
-
-@dataclass
 class TaskStatus:
     """One line of `speedrun ls`."""
 
@@ -91,33 +59,6 @@ class TaskStatus:
     state: str  # running, succeeded, failed (N), killed, lost, idle (session, nothing launched), stopped, unreachable
     uptime_s: float | None  # age of the task's tmux session, seconds
     log: str | None
-
-
-def probe_task(host: Host, socket: str, session: str, index: int, setup_mark: str) -> TaskProbe:
-    """Look at task `index`'s host in one round trip (see tmux.probe); SpeedrunError if it can't serve."""
-    r = host.shell(tmux.probe(socket, session, index, setup_mark, local=host.is_local))
-    f = tmux.parse_fields(r.text)
-    if r.returncode != 0 or "home" not in f:
-        raise SpeedrunError(f"cannot inspect {host.name}: {tmux_message(r.stderr)}")
-    if f.get("tmux") != "1":
-        raise SpeedrunError(f"tmux is not installed on {host.name}: install it there (apt-get install tmux)")
-    windows = []
-    for line in f.get("window", "").splitlines():
-        dead, _, name = line.partition(" ")
-        windows.append((dead == "0", name))
-    return TaskProbe(home=f["home"], ip=f.get("ip", "127.0.0.1"), session=f.get("session") == "1",
-                     run_dir=f.get("run_dir", ""), created=int(f.get("created") or 0), now=int(f.get("now") or 0),
-                     windows=windows, last_seq=int(f.get("last_seq") or 0), setup_hash=f.get("setup_hash", ""))
-
-
-def resolve(path: str, home: str, local: bool) -> str:
-    """An absolute path on a host: `~` and relative paths start at its home, except on this machine,
-    where relative paths start at the current directory."""
-    if path == "~" or path.startswith("~/"):
-        return posixpath.normpath(home + path[1:])
-    if posixpath.isabs(path):
-        return posixpath.normpath(path)
-    return str(Path(path).resolve()) if local else posixpath.normpath(posixpath.join(home, path))
 
 
 class Job:
@@ -298,125 +239,3 @@ class Job:
     def close(self) -> None:
         """Close the provider's connections (the job keeps running)."""
         self.provider.close()
-
-
-def make_job(name: str, num_tasks: int = 1, *, provider: str | Provider = "local", hosts: Sequence[str] = (),
-             run_root: str = "runs", run_name: str = "run", setup: str | None = None,
-             sync: str | os.PathLike | None = None, sync_exclude: Sequence[str] = DEFAULT_SYNC_EXCLUDE,
-             restart: bool = False, python: str = "python3", host_dir: str = "~/.speedrun",
-             tmux_socket: str = "speedrun", ssh: SSHOptions | None = None,
-             home: str | os.PathLike | None = None) -> Job:
-    """Get num_tasks hosts and a run directory for job `name`, or reconnect to it if it is running.
-
-    provider: "local" (this machine) or "ssh" (then `hosts`: ["user@host:port", ...]), or a Provider.
-    run_root: where run directories go, `<run_root>/<name>/<run_name>.<NN>`; for several hosts, a path
-        they all see (NFS, EFS...). Relative: from the current directory (local) or the home (ssh).
-    setup: a shell script run once per host before anything else, again whenever its text changes.
-    sync: a local directory (your working tree) copied to `<host_dir>/code/<name>` on each host at every
-        new run, without `sync_exclude`; commands then run there.
-    restart: replace the job if it is running, instead of reconnecting to it.
-    python: the Python on the hosts (for torchrun and helpers).
-    host_dir: speedrun's directory on each host (setup marks, synced code).
-    tmux_socket: the tmux server (`tmux -L <socket>`) that holds the job's sessions.
-    ssh: how to reach ssh hosts (SSHOptions: known_hosts, identity_file, ssh_config,
-        accept_new_host_keys). Host keys are checked strictly; accept_new_host_keys learns unknown
-        ones and pins them in known_hosts (default $SPEEDRUN_HOME/known_hosts).
-    home: speedrun's local directory (default $SPEEDRUN_HOME or ~/.config/speedrun).
-    """
-    check_name(name, "job name")
-    check_name(run_name, "run name")
-    if num_tasks < 1:
-        raise SpeedrunError(f"a job needs at least one task, got {num_tasks}")
-    if not (host_dir.startswith("/") or host_dir == "~" or host_dir.startswith("~/")):
-        raise SpeedrunError(f"host_dir must be absolute or start with ~/, got {host_dir!r}")
-    if sync is not None and not Path(sync).is_dir():
-        raise SpeedrunError(f"sync directory {sync} does not exist")
-    prov = make_provider(provider, hosts, ssh, home)
-    hosts_ = prov.hosts(num_tasks)
-    sessions = [f"{name}-{i}" for i in range(num_tasks)]
-    setup_mark = f"{host_dir.rstrip('/')}/setup/{name}.sha256"
-    probes = parallel(lambda i: probe_task(hosts_[i], tmux_socket, sessions[i], i, setup_mark), range(num_tasks))
-
-    def code_dir(i: int) -> str:
-        return resolve(f"{host_dir.rstrip('/')}/code/{name}", probes[i].home, hosts_[i].is_local)
-
-    def make_tasks(run_dir: str, seqs: Sequence[int]) -> list[Task]:
-        return [Task(job=name, index=i, host=hosts_[i], run_dir=run_dir,
-                     cwd=code_dir(i) if sync is not None else f"{run_dir}/task-{i}",
-                     home=probes[i].home, ip=probes[i].ip, tmux_socket=tmux_socket, last_seq=seqs[i])
-                for i in range(num_tasks)]
-
-    running = [i for i, p in enumerate(probes) if p.running]
-    if running and not restart:
-        run_dirs = {p.run_dir for p in probes if p.session}
-        if len(run_dirs) != 1 or not all(p.session for p in probes):
-            raise SpeedrunError(f"job {name} runs on tasks {running} but not on all {num_tasks} as asked; "
-                                f"kill it (speedrun kill {name}) or pass restart=True (--restart)")
-        tasks = make_tasks(run_dirs.pop(), [p.last_seq for p in probes])
-        job = Job(name, tasks, tasks[0].run_dir, prov, python=python, reconnected=True)
-        log.info("job %s is running (%s); reconnected without changing it", name, job.run_dir)
-    else:
-        root = resolve(run_root, probes[0].home, hosts_[0].is_local)
-        if len({h.key for h in hosts_}) > 1 and not posixpath.isabs(run_root):
-            log.warning("run_root %r is relative, so each host has its own %s; give a path on storage "
-                        "all hosts see (NFS, EFS...) to keep the run in one place", run_root, root)
-        r = hosts_[0].shell(tmux.allocate_run_dir(root, name, run_name))
-        fields = tmux.parse_fields(r.text)
-        if r.returncode != 0 or "run_dir" not in fields:
-            raise SpeedrunError(f"cannot make a run directory under {root} on {hosts_[0].name}: "
-                                f"{tmux_message(r.stderr)}")
-        tasks = make_tasks(fields["run_dir"], [0] * num_tasks)
-        parallel(lambda t: t._shell(tmux.new_session(tmux_socket, t.session, name, t.run_dir, t.logdir, t.cwd,
-                                                     replace=True)), tasks)
-        job = Job(name, tasks, fields["run_dir"], prov, python=python, reconnected=False)
-        first_on_host = list({t.host.key: t for t in reversed(tasks)}.values())  # the first task on each host
-        if sync is not None:
-            src = Path(sync).resolve()
-            log.info("copying %s to %d host(s)", src, len(first_on_host))
-            parallel(lambda t: t.host.put(src, t.cwd, exclude=sync_exclude, mirror=True), first_on_host)
-        if setup is not None:
-            digest = hashlib.sha256(setup.encode()).hexdigest()
-            parallel(lambda t: run_setup(t, setup, digest, probes[t.index].setup_hash, setup_mark), first_on_host)
-
-    registry.save(registry.JobRecord(
-        name=name, num_tasks=num_tasks, provider=prov.record(), run_dir=job.run_dir,
-        cwd=None if sync is None else posixpath.join(host_dir.rstrip("/"), "code", name),
-        tmux_socket=tmux_socket, python=python, created=time.time()), home)
-    return job
-
-
-def run_setup(task: Task, setup: str, digest: str, recorded: str, mark: str) -> None:
-    """Run the setup script on the task's host unless this exact script already ran there."""
-    if recorded == digest:
-        log.info("setup on %s is unchanged; skipped", task.host.name)
-        return
-    log.info("running setup on %s (log in %s)", task.host.name, task.logdir)
-    result = task.run(setup, name="setup", check=False)
-    if not result.ok:
-        raise CommandFailed(f"setup on {task.host.name}", result.status, result.log, result.output)
-    task.write(mark, digest + "\n")
-
-
-def open_job(name: str, home: str | os.PathLike | None = None, *, probe: bool = True) -> Job:
-    """The job `name` as recorded by make_job on this machine, to inspect, follow, attach to or kill.
-
-    probe=False skips contacting the hosts (enough for status and kill; run and launch need it)."""
-    rec = registry.load(name, home)
-    prov = provider_from_record(rec.provider)
-    hosts_ = prov.hosts(rec.num_tasks)
-    sessions = [f"{name}-{i}" for i in range(rec.num_tasks)]
-
-    def task(i: int) -> Task:
-        p = None
-        if probe:
-            try:
-                p = probe_task(hosts_[i], rec.tmux_socket, sessions[i], i, "/dev/null")
-            except SpeedrunError:
-                pass  # unreachable: status says so; other operations raise when they try it
-        home_ = p.home if p else "~"
-        cwd = resolve(rec.cwd, home_, hosts_[i].is_local) if rec.cwd else f"{rec.run_dir}/task-{i}"
-        return Task(job=name, index=i, host=hosts_[i], run_dir=rec.run_dir, cwd=cwd, home=home_,
-                    ip=p.ip if p else "", tmux_socket=rec.tmux_socket, last_seq=p.last_seq if p else 0)
-
-    tasks = parallel(task, range(rec.num_tasks))
-    return Job(name, tasks, rec.run_dir, prov, python=rec.python, reconnected=True)

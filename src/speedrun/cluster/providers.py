@@ -32,7 +32,7 @@ class Provider(ABC):
 
     @classmethod
     @abstractmethod
-    def from_args(cls, hosts: Sequence[str], ssh: SSHOptions | None, home: str | os.PathLike | None) -> Provider:
+    def from_args(cls, hosts: Sequence[str], ssh: SSHOptions | None, config_dir: str | os.PathLike | None) -> Provider:
         """The provider for make_job's `hosts` and `ssh` options; SpeedrunError for ones that do not apply."""
 
     @classmethod
@@ -61,7 +61,7 @@ class LocalProvider(Provider):
         self._host = LocalHost()
 
     @classmethod
-    def from_args(cls, hosts: Sequence[str], ssh: SSHOptions | None, home: str | os.PathLike | None) -> LocalProvider:
+    def from_args(cls, hosts: Sequence[str], ssh: SSHOptions | None, config_dir: str | os.PathLike | None) -> LocalProvider:
         if hosts:
             raise SpeedrunError("hosts were given for the local provider: use provider='ssh' (--provider ssh)")
         if ssh is not None:
@@ -94,15 +94,15 @@ class SSHProvider(Provider):
         self._hosts = [SSHHost(s, options) for s in specs]
 
     @classmethod
-    def from_args(cls, hosts: Sequence[str], ssh: SSHOptions | None, home: str | os.PathLike | None) -> SSHProvider:
+    def from_args(cls, hosts: Sequence[str], ssh: SSHOptions | None, config_dir: str | os.PathLike | None) -> SSHProvider:
         """`ssh` with its paths made absolute and checked; pinned keys in speedrun's own
-        known_hosts file under `home` unless it names one."""
+        known_hosts file under `config_dir` unless it names one."""
         ssh = ssh or SSHOptions()
         if ssh.identity_file is not None and not Path(ssh.identity_file).expanduser().is_file():
             raise SpeedrunError(f"identity file {ssh.identity_file} does not exist")
         return cls(hosts, dataclasses.replace(
             ssh,
-            known_hosts=_absolute(ssh.known_hosts) or registry.default_known_hosts(home),
+            known_hosts=_absolute(ssh.known_hosts) or registry.default_known_hosts(config_dir),
             identity_file=_absolute(ssh.identity_file),
             ssh_config=_absolute(ssh.ssh_config),
         ))
@@ -141,13 +141,13 @@ PROVIDERS: dict[str, type[Provider]] = {p.kind: p for p in (LocalProvider, SSHPr
 
 
 def make_provider(provider: str | Provider, hosts: Sequence[str] = (), ssh: SSHOptions | None = None,
-                  home: str | os.PathLike | None = None) -> Provider:
+                  config_dir: str | os.PathLike | None = None) -> Provider:
     """A Provider from make_job's arguments (a Provider given as such is used as it is)."""
     if isinstance(provider, Provider):
         return provider
     if provider not in PROVIDERS:
         raise SpeedrunError(f"unknown provider {provider!r}: use one of {', '.join(PROVIDERS)}")
-    return PROVIDERS[provider].from_args(hosts, ssh, home)
+    return PROVIDERS[provider].from_args(hosts, ssh, config_dir)
 
 
 def provider_from_record(record: dict[str, Any]) -> Provider:

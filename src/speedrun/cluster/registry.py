@@ -19,15 +19,16 @@ from speedrun import files
 from speedrun.errors import SpeedrunError
 
 
-def speedrun_home(home: str | os.PathLike | None = None) -> Path:
-    """The directory for speedrun's files: `home` if given, else $SPEEDRUN_HOME, else ~/.config/speedrun."""
-    if home is not None:
-        return Path(home).expanduser()
+def speedrun_home(config_dir: str | os.PathLike | None = None) -> Path:
+    """The directory for speedrun's files on this machine: `config_dir` if given, else
+    $SPEEDRUN_HOME, else ~/.config/speedrun. (A host's `home` is its $HOME, another thing.)"""
+    if config_dir is not None:
+        return Path(config_dir).expanduser()
     return Path(os.environ.get("SPEEDRUN_HOME") or Path.home() / ".config" / "speedrun")
 
 
-def default_known_hosts(home: str | os.PathLike | None = None) -> Path:
-    return speedrun_home(home) / "known_hosts"
+def default_known_hosts(config_dir: str | os.PathLike | None = None) -> Path:
+    return speedrun_home(config_dir) / "known_hosts"
 
 
 @dataclass
@@ -44,20 +45,20 @@ class JobRecord:
     created: float = 0.0  # seconds since the epoch
 
 
-def save(record: JobRecord, home: str | os.PathLike | None = None) -> Path:
+def save(record: JobRecord, config_dir: str | os.PathLike | None = None) -> Path:
     """Write the record atomically; returns its path."""
-    d = speedrun_home(home) / "jobs"
+    d = speedrun_home(config_dir) / "jobs"
     d.mkdir(parents=True, exist_ok=True)
     path = d / f"{record.name}.json"
     files.write_text(path, json.dumps(asdict(record), indent=2))
     return path
 
 
-def load(name: str, home: str | os.PathLike | None = None) -> JobRecord:
+def load(name: str, config_dir: str | os.PathLike | None = None) -> JobRecord:
     """The record of job `name`; a SpeedrunError naming the known jobs if there is none."""
-    path = speedrun_home(home) / "jobs" / f"{name}.json"
+    path = speedrun_home(config_dir) / "jobs" / f"{name}.json"
     if not path.exists():
-        known = ", ".join(r.name for r in load_all(home)) or "none"
+        known = ", ".join(r.name for r in load_all(config_dir)) or "none"
         raise SpeedrunError(f"no job named {name!r} was launched from here (known jobs: {known}); see `speedrun ls`")
     try:
         return _record(json.loads(path.read_text()))
@@ -65,10 +66,10 @@ def load(name: str, home: str | os.PathLike | None = None) -> JobRecord:
         raise SpeedrunError(f"the job record {path} is damaged ({e}): delete it and launch the job again")
 
 
-def load_all(home: str | os.PathLike | None = None) -> list[JobRecord]:
+def load_all(config_dir: str | os.PathLike | None = None) -> list[JobRecord]:
     """Every job record, oldest first (damaged ones are skipped)."""
     records = []
-    for path in sorted((speedrun_home(home) / "jobs").glob("*.json")):
+    for path in sorted((speedrun_home(config_dir) / "jobs").glob("*.json")):
         try:
             records.append(_record(json.loads(path.read_text())))
         except (ValueError, TypeError):
