@@ -13,9 +13,7 @@ import sys
 import tempfile
 import traceback
 
-from speedrun.errors import SpeedrunError, TrainingFailed
-
-EXIT_OK, EXIT_INTERNAL, EXIT_BAD_INPUT, EXIT_TRAINING_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+from speedrun.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERNAL, EXIT_INTERRUPTED, SpeedrunError, TrainingFailed
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     except SpeedrunError as e:
         return report(e, "error", EXIT_BAD_INPUT)
     except TrainingFailed as e:
-        return report(e, "training failed", EXIT_TRAINING_FAILED)
+        return report(e, "training failed", EXIT_FAILED)
     except KeyboardInterrupt as e:
         return report(e, "interrupted", EXIT_INTERRUPTED)
     except Exception as e:  # a bug: keep the traceback, but in a file

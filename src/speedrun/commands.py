@@ -13,11 +13,10 @@ from rich.console import Console
 from rich.table import Table
 
 from speedrun.data import LOADERS
-from speedrun.errors import SpeedrunError, TrainingFailed
+from speedrun.errors import EXIT_BAD_INPUT, EXIT_FAILED, SpeedrunError, TrainingFailed
 from speedrun.recipe import PRECISIONS, RecipeError, Target
 from speedrun.recipes import BUILTIN, DEFAULT, load_recipe
 
-EXIT_BAD_INPUT, EXIT_TRAINING_FAILED = 2, 3
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -144,7 +143,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             forwarded += ["--out", str(default_run_dir(recipe.name))]
         return launch_local_processes(forwarded, args.nproc_per_node)
     results = train(cfg)
-    return 0 if results["status"] in ("finished", "target_reached") else EXIT_TRAINING_FAILED
+    return 0 if results["status"] in ("finished", "target_reached") else EXIT_FAILED
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

@@ -261,7 +261,8 @@ class PhaseStreams:
         if phase.data_key != self.key:
             self.close()
             self.stream, self.key = self.source.train_stream(phase, self.ctx.shard, self.seed), phase.data_key
-        self.stream.batch_size = phase.batch_size
+        else:  # the same data setting: only the batch size may differ
+            self.stream.batch_size = phase.batch_size
         self.stream.set_epoch(epoch)
         if len(self.stream) == 0:
             raise SpeedrunError(

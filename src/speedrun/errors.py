@@ -5,6 +5,10 @@ and is reported with the path of a full traceback instead of the traceback itsel
 """
 
 
+# Exit codes of every speedrun command.
+EXIT_OK, EXIT_INTERNAL, EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+
+
 class SpeedrunError(Exception):
     """A user-facing error; its message is one line that says what is wrong and what to do."""
 

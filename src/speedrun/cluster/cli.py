@@ -19,9 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-from speedrun.errors import SpeedrunError
+from speedrun.errors import EXIT_FAILED, SpeedrunError
 
-EXIT_COMMAND_FAILED = 3  # as speedrun.cli's "training failed"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -157,7 +156,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     failed = [(t.index, r) for t, r in zip(job.tasks, results) if not r.ok]
     for i, r in failed:
         print(f"speedrun: task {i} failed with exit status {r.status} (log: {r.log})", file=sys.stderr)
-    return EXIT_COMMAND_FAILED if failed else 0
+    return EXIT_FAILED if failed else 0
 
 
 def format_uptime(seconds: float | None) -> str:

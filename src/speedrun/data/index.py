@@ -23,7 +23,6 @@ import hashlib
 import logging
 import os
 import stat
-import warnings
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
@@ -228,14 +227,11 @@ class Unreadable:
 
 def read_header(path: str) -> tuple[int, int] | Unreadable:
     """(width, height) in pixels from an image's header, or why it is unusable."""
-    from PIL import Image
+    from speedrun.data.transforms import open_image
 
     try:
-        with warnings.catch_warnings():
-            # Very large images warn (DecompressionBombWarning); they still decode (draft mode).
-            warnings.simplefilter("ignore")
-            with Image.open(path) as img:
-                width, height = img.size
+        with open_image(path) as img:
+            width, height = img.size
     except Exception as e:  # any decoder error means: not a usable image
         # PIL's "cannot identify image file" is an OSError too, but without an errno.
         transient = isinstance(e, OSError) and e.errno is not None

@@ -21,7 +21,6 @@ import os
 import shutil
 import signal
 import time
-import warnings
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +28,7 @@ from pathlib import Path
 from PIL import Image
 
 from speedrun.data.index import load_index
+from speedrun.data.transforms import open_image
 from speedrun.errors import SpeedrunError, one_line
 
 REPORT_NAME = "prepare-report.tsv"
@@ -128,30 +128,28 @@ def resize_one(task: _Task) -> tuple[int, int, int, str | None]:
         return 0, 0, skipped, None
     resized = copied = 0
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # DecompressionBombWarning: large images are expected
-            with Image.open(task.src) as img:
-                width, height = img.size
-                short = min(width, height)
-                larger = [n for n, _ in todo if n < short]
-                if larger and img.format == "JPEG":
-                    # Decode once at the coarsest DCT scale that still covers the largest output.
-                    n_max = max(larger)
-                    s = next((s for s in (8, 4, 2) if short / s >= n_max), 1)
-                    if s > 1:
-                        img.draft(img.mode, (width // s, height // s))
-                if img.mode not in ("RGB", "L"):
-                    img = img.convert("RGB")  # CMYK, palette, alpha: JPEG wants RGB
-                img.load()
-                for n, dst in todo:
-                    if n >= short:
-                        _atomic_copy(task.src, dst, task.partial)  # never upscale: keep the original bytes
-                        copied += 1
-                        continue
-                    w, h = img.size
-                    size = (n, max(1, round(h * n / w))) if w <= h else (max(1, round(w * n / h)), n)
-                    _atomic_save(img.resize(size, Image.Resampling.LANCZOS), dst, task.quality, task.partial)
-                    resized += 1
+        with open_image(task.src) as img:
+            width, height = img.size
+            short = min(width, height)
+            larger = [n for n, _ in todo if n < short]
+            if larger and img.format == "JPEG":
+                # Decode once at the coarsest DCT scale that still covers the largest output.
+                n_max = max(larger)
+                s = next((s for s in (8, 4, 2) if short / s >= n_max), 1)
+                if s > 1:
+                    img.draft(img.mode, (width // s, height // s))
+            if img.mode not in ("RGB", "L"):
+                img = img.convert("RGB")  # CMYK, palette, alpha: JPEG wants RGB
+            img.load()
+            for n, dst in todo:
+                if n >= short:
+                    _atomic_copy(task.src, dst, task.partial)  # never upscale: keep the original bytes
+                    copied += 1
+                    continue
+                w, h = img.size
+                size = (n, max(1, round(h * n / w))) if w <= h else (max(1, round(w * n / h)), n)
+                _atomic_save(img.resize(size, Image.Resampling.LANCZOS), dst, task.quality, task.partial)
+                resized += 1
     except Exception as e:  # a bad image: reported, never fatal
         return resized, copied, skipped, one_line(e)
     return resized, copied, skipped, None

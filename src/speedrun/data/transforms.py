@@ -16,8 +16,11 @@ Every function raises on a bad file; callers decide what to count and skip.
 from __future__ import annotations
 
 import math
+import os
 import random
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 from PIL import Image
@@ -26,6 +29,16 @@ from PIL import Image
 RESAMPLE = Image.Resampling.BILINEAR
 RATIO = (3 / 4, 4 / 3)
 
+
+
+@contextmanager
+def open_image(path: str | os.PathLike) -> Iterator[Image.Image]:
+    """PIL's Image.open without its DecompressionBombWarning: very large images are expected
+    (and decode fine, a JPEG in draft mode at a fraction of its size)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with Image.open(path) as img:
+            yield img
 
 def crop_params(width: int, height: int, min_scale: float, rng: random.Random) -> tuple[float, float, float, float]:
     """torchvision RandomResizedCrop.get_params: (left, top, crop_w, crop_h) in pixels."""
@@ -95,15 +108,13 @@ def decode_train(
     out: np.ndarray | None = None,
 ) -> np.ndarray:
     """RandomResizedCrop + flip of the image at `path` as uint8 size x size x 3 (into `out`)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # DecompressionBombWarning: large images are fine here
-        with Image.open(path) as img:
-            width, height = img.size
-            left, top, cw, ch = crop_params(width, height, min_scale, rng)
-            flip = rng.random() < 0.5
-            img, fx, fy = _reduce(img, cw, ch, size, size, draft)
-            box = _box(left, top, left + cw, top + ch, fx, fy, img)
-            img = img.resize((size, size), RESAMPLE, box=box)
+    with open_image(path) as img:
+        width, height = img.size
+        left, top, cw, ch = crop_params(width, height, min_scale, rng)
+        flip = rng.random() < 0.5
+        img, fx, fy = _reduce(img, cw, ch, size, size, draft)
+        box = _box(left, top, left + cw, top + ch, fx, fy, img)
+        img = img.resize((size, size), RESAMPLE, box=box)
     if flip:
         img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
     return _to_array(img, out)
@@ -125,22 +136,20 @@ def decode_eval(
     out: np.ndarray | None = None,
 ) -> np.ndarray:
     """Resize shorter side to `resize`, centre-crop out_h x out_w: uint8 out_h x out_w x 3."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with Image.open(path) as img:
-            width, height = img.size
-            rw, rh = eval_geometry(width, height, resize)
-            # torchvision center_crop's offsets, in the resized image's pixels.
-            top = int(round((rh - out_h) / 2.0))
-            left = int(round((rw - out_w) / 2.0))
-            # The part of the crop inside the resized image (the rest is zero padding).
-            x0, y0 = max(left, 0), max(top, 0)
-            x1, y1 = min(left + out_w, rw), min(top + out_h, rh)
-            sx, sy = width / rw, height / rh  # resized -> original pixels
-            # The DCT scale must keep the whole resized image's resolution, not just the crop's.
-            img, fx, fy = _reduce(img, width, height, rw, rh, draft)
-            box = _box(x0 * sx, y0 * sy, x1 * sx, y1 * sy, fx, fy, img)
-            img = img.resize((x1 - x0, y1 - y0), RESAMPLE, box=box)
+    with open_image(path) as img:
+        width, height = img.size
+        rw, rh = eval_geometry(width, height, resize)
+        # torchvision center_crop's offsets, in the resized image's pixels.
+        top = int(round((rh - out_h) / 2.0))
+        left = int(round((rw - out_w) / 2.0))
+        # The part of the crop inside the resized image (the rest is zero padding).
+        x0, y0 = max(left, 0), max(top, 0)
+        x1, y1 = min(left + out_w, rw), min(top + out_h, rh)
+        sx, sy = width / rw, height / rh  # resized -> original pixels
+        # The DCT scale must keep the whole resized image's resolution, not just the crop's.
+        img, fx, fy = _reduce(img, width, height, rw, rh, draft)
+        box = _box(x0 * sx, y0 * sy, x1 * sx, y1 * sy, fx, fy, img)
+        img = img.resize((x1 - x0, y1 - y0), RESAMPLE, box=box)
     if (x0, y0, x1, y1) == (left, top, left + out_w, top + out_h):
         return _to_array(img, out)
     if out is None:
