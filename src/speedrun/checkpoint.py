@@ -64,11 +64,9 @@ def restore_run(path: Path, learner: Learner, cfg: TrainConfig, world_size: int)
     batch and the LR mid-run, another seed the data order; the run would not continue, it would
     become a different one."""
     try:
-        saved = load(path)
+        saved = load_run(path)
     except SpeedrunError as e:
         raise SpeedrunError(f"--resume: {e}; it cannot be continued: start over in another --out") from None
-    if not isinstance(saved, dict) or not {"recipe", "model", "optimizer", "state"} <= set(saved):
-        raise SpeedrunError(f"--resume: {path} is not a speedrun checkpoint; start over in another --out")
     if Recipe.from_dict(saved["recipe"]) != cfg.recipe:
         raise SpeedrunError(f"--resume: {path} was made with a different recipe ({saved['recipe']['name']}); resume with the same one")
     state = RunState(**saved["state"])
@@ -92,6 +90,12 @@ def restore_run(path: Path, learner: Learner, cfg: TrainConfig, world_size: int)
     return state
 
 
+def load_run(path: str | os.PathLike) -> dict[str, Any]:
+    """A checkpoint that `save_run` wrote; SpeedrunError when it cannot be read or is not one."""
+    saved = load(path)
+    if not isinstance(saved, dict) or not {"recipe", "model", "optimizer", "state"} <= set(saved):
+        raise SpeedrunError(f"{path} is not a speedrun checkpoint")
+    return saved
 
 
 def save_atomic(state: dict[str, Any], path: str | os.PathLike) -> None:
@@ -112,11 +116,12 @@ class CheckpointWriter:
     while the previous one is still being written waits for it. A failed write is raised by the
     next `save` or `wait`, on the training thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, last_written: str | None = None) -> None:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._writing: str | None = None
-        self.last_written: str | None = None  # the `label` of the last save that reached the disk
+        # The `label` of the last checkpoint on disk: a failed write leaves the previous one, which
+        # may be one this writer did not write (`last_written`, e.g. the one a run resumed from).
+        self.last_written = last_written
 
     @property
     def busy(self) -> bool:
@@ -128,14 +133,14 @@ class CheckpointWriter:
         it in `last_written` once it is on disk (e.g. "epoch 3")."""
         snapshot = copy_to_cpu(state)
         self.wait()
-        self._writing = label or str(path)
-        self._thread = threading.Thread(target=self._write, args=(snapshot, Path(path)), name="checkpoint-writer")
+        args = (snapshot, Path(path), label or str(path))
+        self._thread = threading.Thread(target=self._write, args=args, name="checkpoint-writer")
         self._thread.start()
 
-    def _write(self, state: dict[str, Any], path: Path) -> None:
+    def _write(self, state: dict[str, Any], path: Path, label: str) -> None:
         try:
             save_atomic(state, path)
-            self.last_written = self._writing
+            self.last_written = label
         except BaseException as e:  # noqa: BLE001 - handed to the training thread
             self._error = e
 

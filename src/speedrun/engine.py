@@ -82,8 +82,7 @@ def run_epochs(
     evals = read_jsonl(out / "metrics.jsonl") if cfg.resume else []
     clock = Clock(cfg.process_start, state)
     streams = PhaseStreams(source, ctx, cfg.seed)
-    writer = CheckpointWriter()
-    resumed_from = f"{out / 'checkpoint.pt'} (after epoch {state.epoch})" if cfg.resume else None
+    writer = CheckpointWriter(last_written=f"{out / 'checkpoint.pt'} (after epoch {state.epoch})" if cfg.resume else None)
     status = "interrupted"
     # A resumed run that had reached its target is complete: nothing more to train.
     first_epoch = state.epoch if state.target_epoch is None else recipe.epochs
@@ -139,7 +138,7 @@ def run_epochs(
         raise TrainingFailed(f"a collective failed, {PEER_DIED}: {str(e).splitlines()[0]}") from None
     except OSError as e:
         status = "failed"
-        raise run_dir_error(e, out, writer.last_written or resumed_from) from None
+        raise run_dir_error(e, out, writer.last_written) from None
     finally:
         streams.close()
         # Already failing or interrupted: let the last checkpoint reach the disk; the error that
@@ -148,7 +147,7 @@ def run_epochs(
             writer.wait()
         state.train_s = clock.train_s()
         results = build_results(cfg, ctx, source, state, evals, status, clock.session_start, learner.precision)
-        results["last_checkpoint"] = writer.last_written or resumed_from  # complete on disk; None: none
+        results["last_checkpoint"] = writer.last_written  # complete on disk; None: none
         try:
             tracker.write_results(results)
             tracker.plot(evals, dataclasses.asdict(recipe.target) if recipe.target else None)

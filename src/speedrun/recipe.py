@@ -21,7 +21,7 @@ LearningRate = float | tuple[float, float]
 METRICS = ("top1", "top5")
 OPTIMIZERS = ("sgd", "lars")
 NO_DECAY_MODES = ("norm_bias", "bn", "none")
-PRECISIONS = ("auto", "bf16", "fp16", "fp32")  # a run's --precision (engine.choose_precision)
+PRECISIONS = ("auto", "bf16", "fp16", "fp32")  # a run's --precision (learner.choose_precision)
 
 
 class RecipeError(SpeedrunError, ValueError):

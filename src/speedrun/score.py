@@ -12,13 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 
 from speedrun import checkpoint
 from speedrun.data import build_source
 from speedrun.dist import init_distributed, pick_device, processes, shutdown
-from speedrun.errors import SpeedrunError
-from speedrun.learner import DeviceBatches, EvalSettings, choose_precision, device_capability, evaluate
+from speedrun.learner import DeviceBatches, EvalSettings, choose_precision, device_capability, evaluate, to_device
 from speedrun.model import build_model
 from speedrun.recipe import Recipe
 
@@ -42,9 +40,7 @@ class EvalConfig:
 def evaluate_run(cfg: EvalConfig) -> dict[str, Any]:
     """Evaluate RUN_DIR/checkpoint.pt; returns the record also appended to RUN_DIR/eval.jsonl."""
     path = cfg.run_dir / "checkpoint.pt"
-    saved = checkpoint.load(path)
-    if not isinstance(saved, dict) or "recipe" not in saved or "model" not in saved:
-        raise SpeedrunError(f"{path} is not a speedrun checkpoint (no recipe or model in it)")
+    saved = checkpoint.load_run(path)
     recipe = Recipe.from_dict(saved["recipe"])
     last = recipe.phases[-1]
     size = cfg.size or last.size
@@ -60,8 +56,7 @@ def evaluate_run(cfg: EvalConfig) -> dict[str, Any]:
             weights = "ema" if saved.get("ema") is not None else "model"
             model = build_model(recipe.model, source.num_classes, source.channels)
             model.load_state_dict(saved[weights])
-            channels_last = any(isinstance(m, torch.nn.Conv2d) for m in model.modules())
-            model = model.to(ctx.device, memory_format=torch.channels_last if channels_last else torch.preserve_format)
+            model, channels_last = to_device(model, ctx.device)
             precision = choose_precision(cfg.precision, ctx.device.type, device_capability(ctx.device))
             batches = DeviceBatches(source, ctx.device, channels_last)
             metrics = evaluate(model, source, EvalSettings(size, batch_size, rect, flip, precision, last.copy), batches, ctx)
