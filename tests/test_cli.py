@@ -1,5 +1,6 @@
 """The command line: bad input gives one clear line on stderr and a non-zero exit, never a traceback."""
 import json
+import os
 import subprocess
 
 import pytest
@@ -77,9 +78,10 @@ def test_recipes_listing_and_table():
     assert listing.returncode == 0
     for name in ("fashion-mnist", "tiny", "imagenet-1x8", "imagenet-16x8"):
         assert name in listing.stdout
-    table = speedrun("recipes", "imagenet-16x8")
+    table = speedrun("recipes", "imagenet-16x8", env={**os.environ, "COLUMNS": "200"})
     assert table.returncode == 0
     assert "1.88 -> 3.76" in table.stdout and "160 px copy" in table.stdout
+    assert "0.08-1 ar0.75-1.33 flip" in table.stdout and "square 0.877" in table.stdout
     assert_one_line_error(speedrun("recipes", "nope"), "unknown recipe 'nope'")
 
 
@@ -94,8 +96,32 @@ def test_an_image_folder_with_a_fashion_mnist_recipe_names_the_recipes_that_read
 
     tree = make_tree(tmp_path / "tree", classes=2, train_per_class=1, val_per_class=1)
     proc = speedrun("train", "--data", str(tree), "--out", str(tmp_path / "r"))
-    assert_one_line_error(proc, "is an image folder", "imagenet-1x8", "dataset=\"imagefolder\"")
+    assert_one_line_error(proc, "is an image folder", "--recipe folder-small", "imagenet-1x8", "dataset=\"imagefolder\"")
     assert "dataset-fashion-mnist" not in proc.stderr
+
+
+def test_folder_small_needs_an_image_folder(tmp_path):
+    assert_one_line_error(speedrun("train", "--recipe", "folder-small", "--out", str(tmp_path / "r")),
+                          "fitted to an image folder", "--data DIR")
+    assert_one_line_error(speedrun("train", "--recipe", "folder-small", "--data", str(tmp_path), "--out", str(tmp_path / "r")),
+                          "is not one")
+
+
+def test_folder_small_trains_on_a_folder_at_the_folders_own_size(tmp_path):
+    """`speedrun train --recipe folder-small --data DIR`: the sizes come from the folder's images
+    (40 x 32 px here: the shorter side, 32 px, is the final size, after 24 and 28 px)."""
+    from test_data_helpers import make_tree
+
+    tree = make_tree(tmp_path / "tree", classes=2, train_per_class=40, val_per_class=5, sizes=[(40, 32)])
+    proc = speedrun("train", "--recipe", "folder-small", "--data", str(tree), "--epochs", "2", "--workers", "1",
+                    "--out", str(tmp_path / "r"))
+    assert proc.returncode == 0, proc.stderr
+    results = json.loads((tmp_path / "r" / "results.json").read_text())
+    assert results["recipe"]["name"] == "folder-small"
+    assert [p["size"] for p in results["recipe"]["phases"]] == [24, 24]  # cut to 2 epochs by --epochs
+    assert [r["size"] for r in map(json.loads, (tmp_path / "r" / "metrics.jsonl").read_text().splitlines())] == [24, 24]
+    listing = speedrun("recipes", "folder-small", "--data", str(tree), env={**os.environ, "COLUMNS": "200"})
+    assert listing.returncode == 0 and "24 -> 32 px" in listing.stdout
 
 
 def test_a_recipe_file_that_exits_is_an_error_not_a_silent_success(tmp_path):

@@ -18,7 +18,9 @@ def test_rect_shape_rule():
     # Tall: width = size, height = int(size / AR) down to a multiple of 8.
     assert rect_shape(224, 0.75) == (296, 224)  # int(298.67) = 298 -> 296
     assert rect_shape(128, 1.0) == (128, 128)
-    assert resize_for(288) == 328 and resize_for(224) == 255
+    # crop_pct 1/1.14: the record's int(size * 1.14) at every size its recipes use.
+    assert [resize_for(s, 1 / 1.14) for s in (128, 224, 288)] == [145, 255, 328]
+    assert resize_for(100, 1 / 1.14) == 114 and resize_for(28, 1.0) == 28  # exact quotients stay exact
 
 
 def test_rect_plan_sorts_by_aspect_and_uses_chunk_means():

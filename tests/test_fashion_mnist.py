@@ -87,7 +87,7 @@ def test_train_stream_shards_are_disjoint_and_equal_one_big_batch():
 
 
 def test_crop_boxes_stay_in_the_padded_image_and_cover_min_scale():
-    boxes, flips = random_crop_boxes(5000, 28, 28, 0.5, epoch_generator(0, 0, 1), pad=2)
+    boxes, flips = random_crop_boxes(5000, 28, 28, 0.5, epoch_generator(0, 0, 1), translate=2 / 28)
     w, h = boxes[:, 2] - boxes[:, 0], boxes[:, 3] - boxes[:, 1]
     assert (boxes[:, :2] >= -2 - 1e-4).all() and (boxes[:, 2:] <= 30 + 1e-4).all()
     assert ((w * h) >= 0.5 * 28 * 28 * 0.999).all()

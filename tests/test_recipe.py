@@ -1,10 +1,12 @@
 """Recipes: the LR at every iteration, validation of bad values, the built-in ImageNet tables."""
 import dataclasses
+import json
 
 import pytest
 
 from speedrun.recipe import OptimizerSettings, Phase, Recipe, RecipeError, Target
 from speedrun.recipes import BUILTIN, load_recipe
+from speedrun.recipes.folder import folder_small
 
 
 def make(*phases, **kw) -> Recipe:
@@ -76,6 +78,11 @@ def test_linear_scaling_rule_for_other_world_sizes():
         ((Phase(0, 1, 8, 4, (0.1, -0.2)),), "LR must not be negative"),
         ((Phase(0, 1, 8, 4, 0.1, min_scale=1.5),), "min_scale must be in (0, 1]"),
         ((Phase(0, 1, 8, 4, 0.1, copy="huge"),), "unknown data copy 'huge'"),
+        ((Phase(0, 1, 8, 4, 0.1, ratio=(4 / 3, 3 / 4)),), "ratio must be a (low, high) pair"),
+        ((Phase(0, 1, 8, 4, 0.1, ratio=(0.0, 1.0)),), "ratio must be a (low, high) pair"),
+        ((Phase(0, 1, 8, 4, 0.1, translate=0.6),), "translate must be a fraction"),
+        ((Phase(0, 1, 8, 4, 0.1, crop_pct=1.14),), "crop_pct must be in (0, 1]"),
+        ((Phase(0, 1, 8, 4, 0.1, crop_pct=0),), "crop_pct must be in (0, 1]"),
     ],
 )
 def test_bad_phases_are_reported_one_line_each(phases, expected):
@@ -90,6 +97,25 @@ def test_several_problems_are_all_reported():
     recipe = make(Phase(0, 1, 0, 0, -1.0), optimizer=OptimizerSettings(name="adam"), target=Target("top9", 2.0))
     problems = recipe.problems()
     assert len(problems) == 6, problems
+
+
+def test_geometry_survives_the_round_trip_through_a_checkpoint_dict():
+    recipe = make(Phase(0, 1, 8, 4, 0.1, ratio=(0.9, 1.1), translate=0.1, flip=False, crop_pct=1.0))
+    assert Recipe.from_dict(json.loads(json.dumps(recipe.to_dict()))) == recipe
+
+
+@pytest.mark.parametrize("side, count, sizes, epochs, batch", [
+    (28, 60_000, (20, 24, 28), 14, 128),  # Fashion-MNIST as a folder: the fashion-mnist recipe's sizes
+    (48, 4_000, (36, 40, 48), 48, 128),  # a small folder gets more epochs (1,500 steps at least)
+    (300, 60_000, (48, 56, 64), 14, 128),  # larger images are trained at 64 px at most
+    (32, 600, (24, 28, 32), 60, 32),  # a folder of under 10 batches: smaller batches, epochs capped
+])
+def test_folder_small_is_fitted_to_the_folder(side, count, sizes, epochs, batch):
+    recipe = folder_small(side, count).validate()
+    assert tuple(dict.fromkeys(p.size for p in recipe.phases)) == sizes
+    assert recipe.epochs == epochs and {p.batch_size for p in recipe.phases} == {batch}
+    assert recipe.dataset == "imagefolder" and recipe.phases[-1].crop_pct == 1.0
+    assert recipe.phases[-1].lr[1] == 0.0 and recipe.lr_at(0, 0, 10) < recipe.lr_at(1, 0, 10)  # warmup, then decay to 0
 
 
 def test_ramp_to_zero_is_allowed_and_builtins_are_valid():
@@ -198,8 +224,11 @@ def test_builtin_imagenet_schedules_equal_the_record_tables(name):
     assert recipe.model == "resnet50" and recipe.target == Target("top5", 0.93)
     assert recipe.optimizer.momentum == 0.9 and recipe.optimizer.weight_decay == 1e-4
     assert recipe.optimizer.no_decay == "bn"
-    got = [dataclasses.astuple(p) for p in recipe.phases]
+    got = [dataclasses.astuple(p)[:8] for p in recipe.phases]
     assert got == rows
+    # The 2018 loader's geometry on every row: torchvision's aspect jitter, no translation,
+    # flips, and validation resized to 1.14x the size then centre-cropped.
+    assert {(p.ratio, p.translate, p.flip, p.crop_pct) for p in recipe.phases} == {((3 / 4, 4 / 3), 0.0, True, 1 / 1.14)}
 
 
 def test_batch_size_only_changes_share_the_data_key():

@@ -12,11 +12,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from speedrun.data import LOADERS
+from speedrun.data import LOADERS, folder_summary, is_image_folder
 from speedrun.errors import EXIT_BAD_INPUT, EXIT_FAILED, SpeedrunError, TrainingFailed
-from speedrun.recipe import PRECISIONS, RecipeError, Target
-from speedrun.recipes import BUILTIN, DEFAULT, load_recipe
-
+from speedrun.recipe import PRECISIONS, Recipe, RecipeError, Target
+from speedrun.recipes import BUILTIN, DEFAULT, FITTED, load_recipe
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -60,7 +59,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="evaluate a run's checkpoint on the validation split",
         description="Score the checkpoint in RUN_DIR (its EMA weights when the run kept them) on the validation "
         "split, on one process or N, without training. Prints the metrics and appends them to RUN_DIR/eval.jsonl. "
-        "Defaults: the recipe's last phase (size, rectangular or square validation) and its eval_flip.",
+        "Defaults: the recipe's last phase (size, rectangular or square validation, crop_pct) and its eval_flip.",
     )
     p.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run directory holding checkpoint.pt")
     p.add_argument("--data", default=None, metavar="PATH", help="dataset location (default: the one the run trained on)")
@@ -70,6 +69,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     shape.add_argument("--square", dest="rect", action="store_false", help="square centre crops")
     p.add_argument("--flip", action=argparse.BooleanOptionalAction, default=None,
                    help="average each image's logits with its mirror's")
+    p.add_argument("--crop-pct", type=float, default=None, metavar="F",
+                   help="fraction of the resized image kept: shorter side resized to size / F, centre-cropped "
+                   "(1.0: whole square images; 0.877 = 1/1.14 for the ImageNet recipes)")
     p.add_argument("--batch-size", type=int, default=None, metavar="N", help="images per device per batch")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available, else cpu")
     p.add_argument("--precision", choices=PRECISIONS, default="auto", help="as for train")
@@ -89,11 +91,25 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("recipes", help="list the built-in recipes, or print one as a table")
     p.add_argument("name", nargs="?", help="a built-in recipe name or a recipe .py file")
+    p.add_argument("--data", default=None, metavar="PATH",
+                   help=f"the image folder a fitted recipe ({', '.join(FITTED)}) is fitted to")
     p.set_defaults(func=cmd_recipes)
 
 
+def recipe_for(name_or_path: str, data: str | None, workers: int | None = None) -> Recipe:
+    """A built-in recipe or a recipe file (`load_recipe`); a recipe fitted to its data
+    (`recipes.FITTED`) is fitted to the image folder at `data`."""
+    if name_or_path not in FITTED:
+        return load_recipe(name_or_path)
+    if data is None or not is_image_folder(data):
+        where = f"{data} is not one" if data is not None else "give one with --data DIR"
+        raise SpeedrunError(f"recipe {name_or_path} is fitted to an image folder (train/<class>/, val/<class>/): {where}")
+    side, count = folder_summary(data, workers)
+    return FITTED[name_or_path](side, count).validate()
+
+
 def cmd_train(args: argparse.Namespace) -> int:
-    recipe = load_recipe(args.recipe or DEFAULT)
+    recipe = recipe_for(args.recipe or DEFAULT, args.data, args.workers)
     if args.epochs is not None:
         recipe = recipe.with_epochs(args.epochs)
     if args.target is not None:
@@ -151,6 +167,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise SpeedrunError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if args.crop_pct is not None and not 0 < args.crop_pct <= 1:
+        raise SpeedrunError(f"--crop-pct must be in (0, 1], got {args.crop_pct}")
     if not (args.run_dir / "checkpoint.pt").is_file():
         raise SpeedrunError(f"no checkpoint at {args.run_dir / 'checkpoint.pt'}: RUN_DIR must be a run directory with a checkpoint")
     if args.nproc_per_node:
@@ -159,7 +177,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     evaluate_run(EvalConfig(
         run_dir=args.run_dir, data=args.data, size=args.size, rect=args.rect, flip=args.flip,
-        batch_size=args.batch_size, device=args.device, precision=args.precision, workers=args.workers,
+        crop_pct=args.crop_pct, batch_size=args.batch_size, device=args.device, precision=args.precision, workers=args.workers,
         copies=args.copies,
     ))
     return 0
@@ -257,10 +275,11 @@ def cmd_recipes(args: argparse.Namespace) -> int:
         table = Table("name", "model", "dataset", "devices", "epochs", "target", box=None)
         for r in BUILTIN.values():
             name = f"{r.name} (default)" if r.name == DEFAULT else r.name
+            name += " (fitted to --data)" if r.name in FITTED else ""
             table.add_row(name, r.model, r.dataset, str(r.world_size), str(r.epochs), str(r.target or "-"))
         console.print(table)
         return 0
-    recipe = load_recipe(args.name)
+    recipe = recipe_for(args.name, args.data) if args.data or args.name not in FITTED else BUILTIN[args.name]
     opt = recipe.optimizer
     console.print(
         f"[bold]{recipe.name}[/bold]: {recipe.description}\n"

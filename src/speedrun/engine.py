@@ -116,7 +116,7 @@ def run_epochs(
             last = epoch == recipe.epochs - 1
             if (epoch + 1) % recipe.eval_every == 0 or last:
                 settings = EvalSettings(phase.size, recipe.val_batch_size or phase.batch_size, phase.rect_val,
-                                        recipe.eval_flip, learner.precision, phase.copy)
+                                        recipe.eval_flip, learner.precision, phase.copy, phase.crop_pct)
                 metrics = evaluate(learner.eval_net, source, settings, batches, ctx)
                 # Evaluation time counts towards time-to-target, as in the 2018 record's clock.
                 state.train_s = clock.train_s()

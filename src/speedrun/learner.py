@@ -22,7 +22,7 @@ from speedrun.dist import DistContext, all_reduce_sum, average_buffers
 from speedrun.errors import SpeedrunError
 from speedrun.model import build_model
 from speedrun.optim import build_optimizer
-from speedrun.recipe import PRECISIONS
+from speedrun.recipe import IMAGENET_CROP_PCT, PRECISIONS
 
 
 @dataclass
@@ -143,7 +143,8 @@ def autocast(device: torch.device, precision: str) -> torch.autocast:
 @dataclass(frozen=True)
 class EvalSettings:
     """How to evaluate: image size (pixels), images per device per batch, rectangular or square
-    validation, test-time flips (each image's logits averaged with its mirror's), precision."""
+    validation, test-time flips (each image's logits averaged with its mirror's), precision, the
+    resized copy, and how much of the resized image is kept (`Phase.crop_pct`)."""
 
     size: int
     batch_size: int
@@ -151,6 +152,7 @@ class EvalSettings:
     flip: bool = False
     precision: str = "fp32"
     copy: int | None = None  # image folders: the resized copy to read (the phase's), None for full size
+    crop_pct: float = IMAGENET_CROP_PCT
 
 
 @torch.no_grad()
@@ -167,7 +169,8 @@ def evaluate(net: nn.Module, source: DataSource, settings: EvalSettings, batches
         net = net.module
     net.eval()
     sums = torch.zeros(4, dtype=torch.float64, device=ctx.device)  # loss, correct@1, correct@5, count
-    for images, labels in source.val_batches(settings.size, settings.batch_size, settings.rect, ctx.shard, settings.copy):
+    for images, labels in source.val_batches(settings.size, settings.batch_size, settings.rect, ctx.shard, settings.copy,
+                                            settings.crop_pct):
         x, y = batches.to_device(images, labels)
         with autocast(ctx.device, settings.precision):
             logits = net(x).float()

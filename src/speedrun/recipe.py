@@ -21,6 +21,10 @@ LearningRate = float | tuple[float, float]
 METRICS = ("top1", "top5")
 OPTIMIZERS = ("sgd", "lars")
 NO_DECAY_MODES = ("norm_bias", "bn", "none")
+# Evaluation keeps this fraction of the resized image (timm's crop_pct): the shorter side is
+# resized to size / crop_pct px, then centre-cropped to size. 1/1.14 is the 2018 record's (and
+# torchvision's 256 -> 224) convention; 1.0 shows small images whole.
+IMAGENET_CROP_PCT = 1 / 1.14
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")  # a run's --precision (learner.choose_precision)
 
 
@@ -48,6 +52,14 @@ class Phase:
     min_scale: float = 0.08  # smallest RandomResizedCrop area fraction (torchvision's default)
     rect_val: bool = False  # rectangular validation (aspect-ratio buckets) instead of centre crop
     copy: int | None = None  # resized dataset copy to read, by shorter side in px; None = full size
+    # The training crop's geometry. `ratio`: its aspect ratio (w / h) range, drawn log-uniformly
+    # (torchvision's 3/4..4/3 stretches images; (1, 1) keeps their shape). `translate`: how far a
+    # crop may reach past each edge, as a fraction of that side (zeros there): pad-and-crop
+    # translation, 0 for none. `flip`: mirror half the images at random (not for digits or text).
+    ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    translate: float = 0.0
+    flip: bool = True
+    crop_pct: float = IMAGENET_CROP_PCT  # evaluation geometry; see IMAGENET_CROP_PCT
 
     @property
     def epochs(self) -> int:
@@ -57,7 +69,7 @@ class Phase:
     def data_key(self) -> tuple:
         """What decides the training data pipeline: phases with equal keys share one loader,
         and only the batch size may change between them."""
-        return (self.size, self.min_scale, self.copy)
+        return (self.size, self.min_scale, self.copy, self.ratio, self.translate, self.flip)
 
     def lr_at(self, epoch: float) -> float:
         """LR at a fractional epoch inside this phase (before any world-size scaling)."""
@@ -214,6 +226,13 @@ class Recipe:
             out.extend(f"{at}: {msg}" for msg in _lr_problems(p.lr))
             if not (0 < p.min_scale <= 1):
                 out.append(f"{at}: min_scale must be in (0, 1], got {p.min_scale!r}")
+            if not (isinstance(p.ratio, tuple) and len(p.ratio) == 2 and all(_finite(r) and r > 0 for r in p.ratio)
+                    and p.ratio[0] <= p.ratio[1]):
+                out.append(f"{at}: ratio must be a (low, high) pair of aspect ratios with 0 < low <= high, got {p.ratio!r}")
+            if not (_finite(p.translate) and 0 <= p.translate <= 0.5):
+                out.append(f"{at}: translate must be a fraction of the image side in [0, 0.5], got {p.translate!r}")
+            if not (_finite(p.crop_pct) and 0 < p.crop_pct <= 1):
+                out.append(f"{at}: crop_pct must be in (0, 1] (1.0: the whole image), got {p.crop_pct!r}")
             if p.copy is not None and (not isinstance(p.copy, int) or isinstance(p.copy, bool) or p.copy <= 0):
                 out.append(f"{at}: unknown data copy {p.copy!r} (use a shorter-side size in px, or None for full size)")
         opt = self.optimizer
@@ -254,15 +273,20 @@ class Recipe:
         return self
 
     def table(self) -> list[dict]:
-        """The phases as rows of plain values (for printing and for results.json)."""
+        """The phases as rows of short strings and numbers, for printing (`speedrun recipes`)."""
         return [
             {
                 "epochs": f"{p.start}-{p.end}",
                 "size": p.size,
                 "batch": p.batch_size,
                 "lr": f"{p.lr[0]:.4g} -> {p.lr[1]:.4g}" if isinstance(p.lr, tuple) else f"{p.lr:.4g}",
-                "min_scale": p.min_scale,
-                "rect_val": p.rect_val,
+                # Training crop: area fraction, aspect ratio ("=" kept), translation, flips.
+                "crop": " ".join(filter(None, (
+                    f"{p.min_scale:g}-1",
+                    "ar=" if p.ratio == (1.0, 1.0) else f"ar{p.ratio[0]:.3g}-{p.ratio[1]:.3g}",
+                    f"t{p.translate:.2g}" if p.translate else "",
+                    "flip" if p.flip else ""))),
+                "eval": f"{'rect' if p.rect_val else 'square'} {p.crop_pct:.3g}",
                 "data": f"{p.copy} px copy" if p.copy else "full size",
             }
             for p in self.phases
@@ -276,7 +300,8 @@ class Recipe:
     def from_dict(cls, data: dict) -> Recipe:
         data = dict(data)
         data["phases"] = tuple(
-            Phase(**{**p, "lr": tuple(p["lr"]) if isinstance(p["lr"], list | tuple) else p["lr"]})
+            Phase(**{**p, "lr": tuple(p["lr"]) if isinstance(p["lr"], list | tuple) else p["lr"],
+                      **({"ratio": tuple(p["ratio"])} if "ratio" in p else {})})
             for p in data["phases"]
         )
         data["optimizer"] = OptimizerSettings(**data["optimizer"])

@@ -30,6 +30,7 @@ class EvalConfig:
     size: int | None = None  # pixels; None: the last phase's size
     rect: bool | None = None  # rectangular validation; None: the last phase's rect_val
     flip: bool | None = None  # test-time flips; None: the recipe's eval_flip
+    crop_pct: float | None = None  # fraction of the resized image kept (Phase.crop_pct); None: the last phase's
     batch_size: int | None = None  # per device; None: the recipe's validation batch size
     device: str | None = None
     precision: str = "auto"
@@ -46,6 +47,7 @@ def evaluate_run(cfg: EvalConfig) -> dict[str, Any]:
     size = cfg.size or last.size
     rect = last.rect_val if cfg.rect is None else cfg.rect
     flip = recipe.eval_flip if cfg.flip is None else cfg.flip
+    crop_pct = cfg.crop_pct or last.crop_pct
     batch_size = cfg.batch_size or recipe.val_batch_size or last.batch_size
     data = cfg.data if cfg.data is not None else saved.get("data")
 
@@ -59,17 +61,17 @@ def evaluate_run(cfg: EvalConfig) -> dict[str, Any]:
             model, channels_last = to_device(model, ctx.device)
             precision = choose_precision(cfg.precision, ctx.device.type, device_capability(ctx.device))
             batches = DeviceBatches(source, ctx.device, channels_last)
-            metrics = evaluate(model, source, EvalSettings(size, batch_size, rect, flip, precision, last.copy), batches, ctx)
+            metrics = evaluate(model, source, EvalSettings(size, batch_size, rect, flip, precision, last.copy, crop_pct), batches, ctx)
         finally:
             source.close()
         record = {
             "checkpoint_epoch": saved["state"]["epoch"], "weights": weights, "size": size, "rect": rect, "flip": flip,
-            "batch_size": batch_size, "data": data, "world_size": ctx.world_size, "precision": precision, **metrics,
+            "crop_pct": crop_pct, "batch_size": batch_size, "data": data, "world_size": ctx.world_size, "precision": precision, **metrics,
         }
         if ctx.is_main:
             print(
                 f"{cfg.run_dir}: epoch {record['checkpoint_epoch']} {weights} weights, {size}px "
-                f"{'rect' if rect else 'square'}{' + flips' if flip else ''}, {metrics['count']} images on "
+                f"{'rect' if rect else 'square'} crop_pct {crop_pct:.3g}{' + flips' if flip else ''}, {metrics['count']} images on "
                 f"{processes(ctx.world_size)}: loss {metrics['loss']:.4f}  top1 {100 * metrics['top1']:.2f}%  "
                 f"top5 {100 * metrics['top5']:.2f}%",
                 flush=True,

@@ -45,7 +45,8 @@ def build_source(
         readers = ", ".join(name for name, r in BUILTIN.items() if r.dataset == "imagefolder")
         raise SpeedrunError(
             f"{path} is an image folder (train/ and val/), but recipe {recipe.name!r} reads {recipe.dataset}: "
-            f"use a recipe that reads image folders ({readers}) or a recipe file with "
+            "for small images use --recipe folder-small (a small ResNet fitted to the folder's image size), "
+            f"else a recipe that reads image folders ({readers}) or a recipe file with "
             'dataset="imagefolder" (README, "Recipes are Python")'
         )
     if recipe.dataset == "fashion-mnist":
@@ -67,6 +68,19 @@ def build_source(
             loader=loader,
         )
     raise SpeedrunError(f"unknown dataset {recipe.dataset!r} (choose from {', '.join(DATASETS)})")
+
+
+def folder_summary(path: str, workers: int | None = None) -> tuple[int, int]:
+    """(typical image side in px: the median shorter side of the training images, number of
+    training images) of the image folder at `path`, from its index (cached after the first look)."""
+    import numpy as np
+
+    from speedrun.data.index import load_index
+
+    train = load_index(path, workers).train
+    if len(train) == 0:
+        raise SpeedrunError(f"{path}/train holds no usable images")
+    return int(np.median(np.minimum(train.widths, train.heights))), len(train)
 
 
 def is_image_folder(path: str) -> bool:

@@ -24,25 +24,28 @@ def random_crop_boxes(
     width: int,
     min_scale: float,
     generator: torch.Generator,
-    pad: int = 0,
     ratio: tuple[float, float] = (3 / 4, 4 / 3),
+    translate: float = 0.0,
+    flip: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """RandomResizedCrop boxes and flip flags for `count` images of height x width pixels.
+    """RandomResizedCrop boxes and flip flags for `count` images of height x width pixels; the
+    geometry is a `Phase`'s (min_scale, ratio, translate, flip).
 
     Area fraction ~ U(min_scale, 1) of the image, aspect ratio log-uniform in `ratio`, position
-    uniform; a box may reach `pad` pixels past the edges (zeros there), which adds the
+    uniform; a box may reach round(translate * side) pixels past the edges (zeros there), the
     translation of pad-and-crop augmentation. Where torchvision retries a box that does not fit,
     this clamps it to the padded image. Returns boxes (count x 4: x1, y1, x2, y2 in pixels) and
-    flips (count, bool).
+    flips (count, bool; all False without `flip`).
     """
+    pad_x, pad_y = round(translate * width), round(translate * height)
     area = torch.empty(count).uniform_(min_scale, 1.0, generator=generator) * height * width
     log_ratio = torch.empty(count).uniform_(math.log(ratio[0]), math.log(ratio[1]), generator=generator)
     aspect = torch.exp(log_ratio)
-    w = torch.sqrt(area * aspect).clamp(max=width + 2 * pad)
-    h = torch.sqrt(area / aspect).clamp(max=height + 2 * pad)
-    x1 = -pad + torch.rand(count, generator=generator) * (width + 2 * pad - w)
-    y1 = -pad + torch.rand(count, generator=generator) * (height + 2 * pad - h)
-    flips = torch.rand(count, generator=generator) < 0.5
+    w = torch.sqrt(area * aspect).clamp(max=width + 2 * pad_x)
+    h = torch.sqrt(area / aspect).clamp(max=height + 2 * pad_y)
+    x1 = -pad_x + torch.rand(count, generator=generator) * (width + 2 * pad_x - w)
+    y1 = -pad_y + torch.rand(count, generator=generator) * (height + 2 * pad_y - h)
+    flips = (torch.rand(count, generator=generator) < 0.5) & flip  # drawn either way: same boxes
     return torch.stack([x1, y1, x1 + w, y1 + h], dim=1), flips
 
 
@@ -54,33 +57,27 @@ def crop_resize_flip(images: torch.Tensor, boxes: torch.Tensor, flips: torch.Ten
     return out.round_().clamp_(0, 255).to(torch.uint8)
 
 
-def resize_batch(images: torch.Tensor, size: int) -> torch.Tensor:
-    """Resize a uint8 batch to size x size px (antialiased); unchanged when already that size."""
-    if images.shape[-2:] == (size, size):
-        return images
-    return TF.resize(images, [size, size], antialias=True)
+def resize_center_crop(images: torch.Tensor, size: int, resize: int) -> torch.Tensor:
+    """Evaluation geometry for a uint8 batch: shorter side resized to `resize` px (antialiased),
+    centre-cropped to size x size (`rect.resize_for` gives `resize` from a phase's crop_pct).
+    With `resize` == size a square image is shown whole; unchanged when nothing is to do."""
+    if min(images.shape[-2:]) != resize:
+        images = TF.resize(images, [resize], antialias=True)  # one number: the shorter side
+    if images.shape[-2:] != (size, size):
+        images = TF.center_crop(images, [size, size])
+    return images
 
 
 class TensorTrainStream:
     """Training batches from images held in one uint8 tensor (N x C x H x W), following the
-    sharding rules of `speedrun.data.base`. Crop boxes are drawn per sample from (seed, epoch),
-    so every rank and every world size sees the same augmented image for the same sample.
-    `pad` (pixels) and `ratio` (aspect-ratio range) are passed to `random_crop_boxes`."""
+    sharding rules of `speedrun.data.base`, with the phase's crop geometry (`random_crop_boxes`).
+    Crop boxes are drawn per sample from (seed, epoch), so every rank and every world size sees
+    the same augmented image for the same sample."""
 
-    def __init__(
-        self,
-        images: torch.Tensor,
-        labels: torch.Tensor,
-        phase: Phase,
-        shard: Shard,
-        seed: int,
-        pad: int = 2,
-        ratio: tuple[float, float] = (3 / 4, 4 / 3),
-    ):
-        self.images, self.labels = images, labels
-        self.size, self.min_scale = phase.size, phase.min_scale
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, phase: Phase, shard: Shard, seed: int):
+        self.images, self.labels, self.phase = images, labels, phase
         self.batch_size = phase.batch_size
-        self.shard, self.seed, self.pad, self.ratio = shard, seed, pad, ratio
+        self.shard, self.seed = shard, seed
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -93,13 +90,14 @@ class TensorTrainStream:
         n, _, height, width = self.images.shape
         device = self.images.device
         order = rank_indices(epoch_permutation(n, self.seed, self.epoch), self.shard, self.batch_size)
+        p = self.phase
         boxes, flips = random_crop_boxes(
-            n, height, width, self.min_scale, epoch_generator(self.seed, self.epoch, 1), self.pad, self.ratio
+            n, height, width, p.min_scale, epoch_generator(self.seed, self.epoch, 1), p.ratio, p.translate, p.flip
         )
         order, boxes, flips = order.to(device), boxes.to(device), flips.to(device)
         for start in range(0, len(order), self.batch_size):
             idx = order[start : start + self.batch_size]
-            yield crop_resize_flip(self.images[idx], boxes[idx], flips[idx], self.size), self.labels[idx]
+            yield crop_resize_flip(self.images[idx], boxes[idx], flips[idx], p.size), self.labels[idx]
 
     def close(self) -> None:
         pass

@@ -23,7 +23,7 @@ from typing import Protocol
 
 import torch
 
-from speedrun.recipe import Phase
+from speedrun.recipe import IMAGENET_CROP_PCT, Phase
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 log = logging.getLogger("speedrun.data")
@@ -84,8 +84,10 @@ class DataSource(Protocol):
 
     def train_stream(self, phase: Phase, shard: Shard, seed: int) -> TrainStream: ...
 
-    # `copy`: the resized copy to read (the evaluated phase's), None for full size.
-    def val_batches(self, size: int, batch_size: int, rect: bool, shard: Shard, copy: int | None = None) -> Iterable[Batch]: ...
+    # `copy`: the resized copy to read (the evaluated phase's), None for full size; `crop_pct`:
+    # the fraction of the resized image kept (`Phase.crop_pct`; 1.0: whole square images).
+    def val_batches(self, size: int, batch_size: int, rect: bool, shard: Shard, copy: int | None = None,
+                    crop_pct: float = IMAGENET_CROP_PCT) -> Iterable[Batch]: ...
 
     def skipped_images(self) -> dict[str, int] | None: ...  # files left out so far; None: never any
 

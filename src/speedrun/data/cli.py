@@ -6,6 +6,8 @@ import logging
 
 from rich.console import Console
 
+from speedrun.errors import SpeedrunError
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the `data` command group to the top-level parser."""
@@ -40,6 +42,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     k.add_argument("--train", type=int, default=6000, help="training images (from Fashion-MNIST's 60k)")
     k.add_argument("--val", type=int, default=1000, help="validation images (from Fashion-MNIST's 10k test set)")
     k.add_argument("--source", default=None, help="folder with the four IDX .gz files (default: /usr/share/datasets/fashion-mnist)")
+    look = k.add_mutually_exclusive_group()
+    look.add_argument("--side", type=int, default=None, metavar="PX", help="square canvases of PX pixels instead of varied ones")
+    look.add_argument("--plain", action="store_true", help="the 28 x 28 grayscale originals as PNG files, nothing added")
     _common_synth(k)
     k.set_defaults(func=cmd_synth_fmnist)
 
@@ -85,7 +90,10 @@ def cmd_synth_imagenet(args: argparse.Namespace) -> int:
 def cmd_synth_fmnist(args: argparse.Namespace) -> int:
     from speedrun.data.synth import FMNIST_DIR, fmnist_tree
 
-    s = fmnist_tree(args.dst, args.train, args.val, args.source or FMNIST_DIR, args.quality, args.seed, args.workers)
+    if args.side is not None and args.side < 28:
+        raise SpeedrunError(f"--side must be at least 28 px (a garment's own size), got {args.side}")
+    s = fmnist_tree(args.dst, args.train, args.val, args.source or FMNIST_DIR, args.quality, args.seed, args.workers,
+                    args.side, args.plain)
     Console(soft_wrap=True).print(f"wrote {s.train} train and {s.val} val images in {s.classes} classes to {s.root}")
     return 0
 

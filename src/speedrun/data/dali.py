@@ -35,6 +35,7 @@ from PIL import Image
 from speedrun.data.base import BadImages, Batch, Shard, epoch_permutation, rank_indices
 from speedrun.data.index import Split
 from speedrun.errors import SpeedrunError, one_line
+from speedrun.recipe import Phase
 
 log = logging.getLogger("speedrun.data")
 
@@ -84,9 +85,11 @@ class DaliTrainStream:
     undecodable files are recorded (`data.base.BadImages`).
     """
 
-    def __init__(self, root: Path, split: Split, size: int, min_scale: float, shard: Shard, seed: int,
+    def __init__(self, root: Path, split: Split, phase: Phase, shard: Shard, seed: int,
                  batch_size: int, device: torch.device, threads: int, bad: BadImages):
-        self.root, self.split, self.size, self.min_scale = root, split, size, min_scale
+        if phase.translate:
+            raise ValueError("DALI's random crop has no translation (the phase's translate); the PIL loader has")
+        self.root, self.split, self.phase = root, split, phase
         self.shard, self.seed, self.threads, self.bad = shard, seed, max(1, threads), bad
         self.batch_size, self.epoch = batch_size, 0
         if device.type == "cuda":
@@ -118,10 +121,10 @@ class DaliTrainStream:
                                                batch_info=True, dtype=[types.UINT8, types.INT64])
             images = fn.decoders.image_random_crop(
                 jpegs, device="mixed" if gpu else "cpu", output_type=types.RGB,
-                random_area=[self.min_scale, 1.0], random_aspect_ratio=[3 / 4, 4 / 3], num_attempts=10)
-            images = fn.resize(images, resize_x=self.size, resize_y=self.size,
+                random_area=[self.phase.min_scale, 1.0], random_aspect_ratio=list(self.phase.ratio), num_attempts=10)
+            images = fn.resize(images, resize_x=self.phase.size, resize_y=self.phase.size,
                                interp_type=types.INTERP_LINEAR, antialias=True)
-            images = fn.flip(images, horizontal=fn.random.coin_flip(probability=0.5))
+            images = fn.flip(images, horizontal=fn.random.coin_flip(probability=0.5 if self.phase.flip else 0.0))
             return images, labels.gpu() if gpu else labels
 
         self._pipe = train_pipe()

@@ -37,7 +37,7 @@ from speedrun.data.index import Index, Split, load_index
 from speedrun.data.rect import ValBatch, rect_plan, resize_for, square_plan
 from speedrun.data.transforms import decode_eval, decode_train
 from speedrun.errors import SpeedrunError, one_line
-from speedrun.recipe import Phase
+from speedrun.recipe import IMAGENET_CROP_PCT, Phase
 
 log = logging.getLogger("speedrun.data")
 
@@ -90,15 +90,16 @@ def _passthrough(batch):
 class _TrainDecoder(torch.utils.data.Dataset):
     """Keys are (epoch, row); randomness depends on (seed, epoch, row) only, never on the rank."""
 
-    def __init__(self, root: Path, split: Split, size: int, min_scale: float, seed: int, draft: bool):
-        self.root, self.split, self.size, self.min_scale, self.seed, self.draft = (
-            root, split, size, min_scale, seed, draft)
+    def __init__(self, root: Path, split: Split, phase: Phase, seed: int, draft: bool):
+        # The phase gives the crop geometry (size, min_scale, ratio, translate, flip).
+        self.root, self.split, self.phase, self.seed, self.draft = root, split, phase, seed, draft
 
     def __len__(self) -> int:
         return len(self.split)
 
     def __getitems__(self, keys: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor, list]:
-        n, size = len(keys), self.size
+        n, phase = len(keys), self.phase
+        size = phase.size
         images = _batch_buffer((n, size, size, 3))
         pixels = images.numpy()
         labels = torch.empty(n, dtype=torch.int64)
@@ -110,7 +111,8 @@ class _TrainDecoder(torch.utils.data.Dataset):
                 path = str(self.root / self.split.path(r))
                 rng = random.Random(f"{self.seed}/{epoch}/{r}")
                 try:
-                    decode_train(path, size, self.min_scale, rng, self.draft, out=pixels[i])
+                    decode_train(path, size, phase.min_scale, rng, self.draft, pixels[i], phase.ratio, phase.translate,
+                                 phase.flip)
                 except Exception as e:  # any decode failure: count it, use another sample
                     bad.append((path, one_line(e)))
                     continue
@@ -192,7 +194,7 @@ def _sample(split: Split, limit: int | None) -> Split:
 
 
 class ImageFolderTrainStream:
-    """Training batches for one (size, min_scale, copy) setting; see `data.base.TrainStream`."""
+    """Training batches for one data setting (`Phase.data_key`); see `data.base.TrainStream`."""
 
     def __init__(self, dataset: _TrainDecoder, shard: Shard, seed: int, batch_size: int,
                  options: LoaderOptions, bad: BadImages):
@@ -351,13 +353,12 @@ class ImageFolderSource:
             from speedrun.data.dali import DaliTrainStream
 
             try:
-                return DaliTrainStream(self.copy_root(copy), self._train_split(copy), phase.size, phase.min_scale,
+                return DaliTrainStream(self.copy_root(copy), self._train_split(copy), phase,
                                        shard, seed, phase.batch_size, self.device, self.options.workers or 1,
                                        self.bad_images)
             except Exception as e:  # optional extra: never worse than the PIL loader
                 log.warning("DALI pipeline failed (%s: %s); decoding with PIL", type(e).__name__, e)
-        dataset = _TrainDecoder(self.copy_root(copy), self._train_split(copy), phase.size, phase.min_scale,
-                                seed, self.options.draft)
+        dataset = _TrainDecoder(self.copy_root(copy), self._train_split(copy), phase, seed, self.options.draft)
         return ImageFolderTrainStream(dataset, shard, seed, phase.batch_size, self.options, self.bad_images)
 
     def val_plan(self, size: int, batch_size: int, rect: bool, copy: int | None = None) -> list[ValBatch]:
@@ -368,13 +369,14 @@ class ImageFolderSource:
             return rect_plan(split.widths, split.heights, size, batch_size)
         return square_plan(len(split), size, batch_size)
 
-    def val_batches(self, size: int, batch_size: int, rect: bool, shard: Shard, copy: int | None = None) -> Iterator[Batch]:
+    def val_batches(self, size: int, batch_size: int, rect: bool, shard: Shard, copy: int | None = None,
+                    crop_pct: float = IMAGENET_CROP_PCT) -> Iterator[Batch]:
         copy, _ = self._resolve(copy)
         plan = self.val_plan(size, batch_size, rect, copy)
         mine = [plan[i] for i in split_batches_contiguously(len(plan), shard)]
         if not mine:
             return
-        dataset = _EvalDecoder(self.copy_root(copy), self._val_split(copy), resize_for(size), self.options.draft)
+        dataset = _EvalDecoder(self.copy_root(copy), self._val_split(copy), resize_for(size, crop_pct), self.options.draft)
         keys = [[(r, b.height, b.width) for r in b.rows] for b in mine]
         workers = min(self.options.workers, len(keys))
         loader = DataLoader(

@@ -1,12 +1,13 @@
 """Validation plans: which images go in which batch, and the output shape of each batch.
 
 Square (the default): images in index order, cut into batches; every image is resized so its
-shorter side is int(size * 1.14) px and centre-cropped to size x size.
+shorter side is `resize_for(size, crop_pct)` px (int(size * 1.14) for the 2018 recipes) and
+centre-cropped to size x size.
 
 Rectangular (the 2018 recipe, docs/record.md, "Data handling"): sort the images by aspect
 ratio w/h (stable, so ties keep index order), cut the sorted list into consecutive chunks of
 `batch_size`, give every image its chunk's mean aspect ratio (rounded to 5 decimals, as the
-original), resize the shorter side to int(size * 1.14), then centre-crop to short side = size
+original), resize the shorter side as for square plans, then centre-crop to short side = size
 and long side = int(size * AR) (wide) or int(size / AR) (tall), rounded down to a multiple of
 8 px. One chunk is one batch, so a batch has one shape.
 
@@ -17,9 +18,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
+import math
 
-RESIZE_FACTOR = 1.14
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -31,9 +32,11 @@ class ValBatch:
     width: int
 
 
-def resize_for(size: int) -> int:
-    """Shorter side, in px, that validation resizes to before cropping `size`."""
-    return int(size * RESIZE_FACTOR)
+def resize_for(size: int, crop_pct: float) -> int:
+    """Shorter side, in px, that validation resizes to before cropping `size` px: size / crop_pct
+    (`Phase.crop_pct`), rounded down. The 1e-9 keeps exact quotients exact: 224 / (1 / 1.14) is
+    255.36 either way, but 100 / (1 / 1.14) must be 114, not 113.99999999999999."""
+    return math.floor(size / crop_pct + 1e-9)
 
 
 def rect_shape(size: int, aspect: float) -> tuple[int, int]:

@@ -9,6 +9,9 @@
   canvas's shorter side and placed near one end of its longer side, on canvases with aspect
   ratios log-uniform in 0.5..2.0. A square centre crop of a wide or tall canvas cuts off much
   of the garment; a rectangular crop keeps it, so rectangular validation should score higher.
+  With `side`, the canvases are squares of that many pixels instead (a small-image folder);
+  with `plain`, the images are Fashion-MNIST's own 28 x 28 grayscale pictures as PNG files
+  (the in-memory dataset as a folder: same pixels, same labels).
 
 Generation runs on all cores (one process per chunk of images) and is deterministic in `seed`.
 """
@@ -109,9 +112,10 @@ def imagenet_tree(
 # Fashion-MNIST
 
 
-def garment_canvas(garment: np.ndarray, rng: np.random.Generator, short_range: tuple[int, int] = (48, 96)) -> Image.Image:
+def garment_canvas(garment: np.ndarray, rng: np.random.Generator, short_range: tuple[int, int] = (48, 96),
+                   aspect_range: tuple[float, float] = (0.5, 2.0)) -> Image.Image:
     """Place a 28 x 28 garment on a canvas of random aspect ratio, off-centre (module docstring)."""
-    aspect = math.exp(rng.uniform(math.log(0.5), math.log(2.0)))
+    aspect = math.exp(rng.uniform(math.log(aspect_range[0]), math.log(aspect_range[1])))
     s = int(rng.integers(short_range[0], short_range[1] + 1))
     w, h = (int(round(s * aspect)), s) if aspect >= 1 else (s, int(round(s / aspect)))
     g = int(round(s * rng.uniform(0.75, 0.95)))
@@ -132,12 +136,16 @@ def garment_canvas(garment: np.ndarray, rng: np.random.Generator, short_range: t
 
 
 def _write_fmnist_chunk(args: tuple) -> int:
-    root, split, images, labels, first, quality, seed = args
+    root, split, images, labels, first, quality, seed, side, plain = args
     for k, (img, label) in enumerate(zip(images, labels)):
         n = first + k
+        folder = Path(root) / split / FMNIST_CLASSES[int(label)]
+        if plain:
+            Image.fromarray(img).save(folder / f"{split}_{n:06d}.png")
+            continue
         rng = np.random.default_rng([seed, 0 if split == "train" else 1, n])
-        cls = FMNIST_CLASSES[int(label)]
-        garment_canvas(img, rng).save(Path(root) / split / cls / f"{split}_{n:06d}.jpg", "JPEG", quality=quality)
+        canvas = garment_canvas(img, rng) if side is None else garment_canvas(img, rng, (side, side), (1.0, 1.0))
+        canvas.save(folder / f"{split}_{n:06d}.jpg", "JPEG", quality=quality)
     return len(images)
 
 
@@ -149,8 +157,12 @@ def fmnist_tree(
     quality: int = 90,
     seed: int = 0,
     workers: int | None = None,
+    side: int | None = None,
+    plain: bool = False,
 ) -> TreeSummary:
-    """Write a learnable tree from the first `train` / `val` Fashion-MNIST train / test images."""
+    """Write a learnable tree from the first `train` / `val` Fashion-MNIST train / test images:
+    garments on canvases of varied aspect ratio (JPEG), on `side` px squares, or `plain` (the
+    28 px originals as grayscale PNG); see the module docstring."""
     from speedrun.errors import SpeedrunError
 
     source = Path(source)
@@ -171,7 +183,7 @@ def fmnist_tree(
             (root / split / cls).mkdir(parents=True, exist_ok=True)
         chunk = 256
         chunks += [
-            (str(root), split, images[i : i + chunk], labels[i : i + chunk], i, quality, seed)
+            (str(root), split, images[i : i + chunk], labels[i : i + chunk], i, quality, seed, side, plain)
             for i in range(0, len(images), chunk)
         ]
     _run_chunks(_write_fmnist_chunk, chunks, workers)

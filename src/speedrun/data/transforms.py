@@ -1,8 +1,9 @@
 """Decode one image file straight to the pixels a batch needs (uint8 H x W x 3).
 
 Two operations, each a single PIL resize from the (possibly DCT-reduced) decoded image:
-- train: RandomResizedCrop(size, scale=(min_scale, 1), ratio=(3/4, 4/3)) + horizontal flip,
-  with torchvision's parameter rule, randomness from a caller-given `random.Random`;
+- train: RandomResizedCrop(size, scale=(min_scale, 1), ratio) + horizontal flip, with
+  torchvision's parameter rule (plus optional pad-and-crop translation), randomness from a
+  caller-given `random.Random`; the recipe's `Phase` gives min_scale, ratio, translate, flip;
 - eval: resize the shorter side to `resize` px, centre-crop to `out_h` x `out_w` (zero-padded
   where the crop is larger than the image, as torchvision's `center_crop` does).
 
@@ -40,23 +41,36 @@ def open_image(path: str | os.PathLike) -> Iterator[Image.Image]:
         with Image.open(path) as img:
             yield img
 
-def crop_params(width: int, height: int, min_scale: float, rng: random.Random) -> tuple[float, float, float, float]:
-    """torchvision RandomResizedCrop.get_params: (left, top, crop_w, crop_h) in pixels."""
+def crop_params(
+    width: int,
+    height: int,
+    min_scale: float,
+    rng: random.Random,
+    ratio: tuple[float, float] = RATIO,
+    translate: float = 0.0,
+) -> tuple[int, int, int, int]:
+    """torchvision RandomResizedCrop.get_params: (left, top, crop_w, crop_h) in pixels.
+
+    With `translate` > 0 the image is first padded by round(translate * side) px of zeros on
+    each side (pad-and-crop translation), so the box may start left of or above the image; its
+    area is still drawn from the image's own area.
+    """
     area = width * height
-    log_lo, log_hi = math.log(RATIO[0]), math.log(RATIO[1])
+    pad_x, pad_y = round(translate * width), round(translate * height)
+    log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
     for _ in range(10):
         target = area * rng.uniform(min_scale, 1.0)
         aspect = math.exp(rng.uniform(log_lo, log_hi))
         w = int(round(math.sqrt(target * aspect)))
         h = int(round(math.sqrt(target / aspect)))
-        if 0 < w <= width and 0 < h <= height:
-            return rng.randint(0, width - w), rng.randint(0, height - h), w, h
+        if 0 < w <= width + 2 * pad_x and 0 < h <= height + 2 * pad_y:
+            return rng.randint(-pad_x, width + pad_x - w), rng.randint(-pad_y, height + pad_y - h), w, h
     # Fallback: the whole image, clamped to the ratio range, centred.
     in_ratio = width / height
-    if in_ratio < RATIO[0]:
-        w, h = width, int(round(width / RATIO[0]))
-    elif in_ratio > RATIO[1]:
-        w, h = int(round(height * RATIO[1])), height
+    if in_ratio < ratio[0]:
+        w, h = width, int(round(width / ratio[0]))
+    elif in_ratio > ratio[1]:
+        w, h = int(round(height * ratio[1])), height
     else:
         w, h = width, height
     return (width - w) // 2, (height - h) // 2, w, h
@@ -106,18 +120,36 @@ def decode_train(
     rng: random.Random,
     draft: bool = True,
     out: np.ndarray | None = None,
+    ratio: tuple[float, float] = RATIO,
+    translate: float = 0.0,
+    flip: bool = True,
 ) -> np.ndarray:
-    """RandomResizedCrop + flip of the image at `path` as uint8 size x size x 3 (into `out`)."""
+    """RandomResizedCrop (`crop_params`) + random flip (when `flip`) of the image at `path` as
+    uint8 size x size x 3 (into `out`)."""
     with open_image(path) as img:
         width, height = img.size
-        left, top, cw, ch = crop_params(width, height, min_scale, rng)
-        flip = rng.random() < 0.5
+        left, top, cw, ch = crop_params(width, height, min_scale, rng, ratio, translate)
+        flipped = rng.random() < 0.5 and flip  # drawn either way: the same crops with and without flips
         img, fx, fy = _reduce(img, cw, ch, size, size, draft)
+        if left < 0 or top < 0 or left + cw > width or top + ch > height:
+            img, left, top = _zero_padded(img, left, top, cw, ch, width, height, fx, fy)
         box = _box(left, top, left + cw, top + ch, fx, fy, img)
         img = img.resize((size, size), RESAMPLE, box=box)
-    if flip:
+    if flipped:
         img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
     return _to_array(img, out)
+
+
+def _zero_padded(img: Image.Image, left: int, top: int, cw: int, ch: int, width: int, height: int,
+                 fx: float, fy: float) -> tuple[Image.Image, float, float]:
+    """The decoded image on a black canvas just large enough for a crop box that reaches past its
+    edges (PIL's resize box must lie inside the image). Returns the canvas and the box's new
+    top-left corner, in original pixels."""
+    pad_l, pad_t = max(0, -left), max(0, -top)
+    pad_r, pad_b = max(0, left + cw - width), max(0, top + ch - height)
+    canvas = Image.new("RGB", (math.ceil((width + pad_l + pad_r) * fx), math.ceil((height + pad_t + pad_b) * fy)))
+    canvas.paste(img, (round(pad_l * fx), round(pad_t * fy)))
+    return canvas, left + pad_l, top + pad_t
 
 
 def eval_geometry(width: int, height: int, resize: int) -> tuple[int, int]:

@@ -1,14 +1,22 @@
 """Built-in recipes, by name (`speedrun recipes` lists them), and `load_recipe` for a name or a file."""
 import importlib.util
+from collections.abc import Callable
 from pathlib import Path
 
 from speedrun.recipe import Recipe, RecipeError
 from speedrun.recipes.fashion_mnist import fashion_mnist, tiny
+from speedrun.recipes.folder import folder_small
 from speedrun.recipes.imagenet import imagenet_1x8, imagenet_2x8, imagenet_4x8, imagenet_8x8, imagenet_16x8
+
+# Recipes fitted to the image folder they train on: name -> function of the folder's typical
+# image side (px, the median shorter side of its training images) and its training image count.
+# `speedrun train` fits them to --data; BUILTIN holds each as fitted to Fashion-MNIST as a folder.
+FITTED: dict[str, Callable[[int, int], Recipe]] = {"folder-small": folder_small}
 
 BUILTIN: dict[str, Recipe] = {
     r.name: r
-    for r in (fashion_mnist, tiny, imagenet_1x8, imagenet_2x8, imagenet_4x8, imagenet_8x8, imagenet_16x8)
+    for r in (fashion_mnist, tiny, folder_small(28, 60_000),
+              imagenet_1x8, imagenet_2x8, imagenet_4x8, imagenet_8x8, imagenet_16x8)
 }
 DEFAULT = fashion_mnist.name
 
