@@ -145,7 +145,8 @@ def test_ema_weights_are_what_is_evaluated_and_saved(tmp_path):
     def loss(weights):
         model = build_model(TINY.model, 10, 1).to(memory_format=torch.channels_last)
         model.load_state_dict(weights)
-        return evaluate(model, source, EvalSettings(final["size"], TINY.val_batch_size), batches, CPU)["loss"]
+        settings = EvalSettings(final["size"], TINY.val_batch_size, crop_pct=final["crop_pct"])
+        return evaluate(model, source, settings, batches, CPU)["loss"]
 
     assert loss(saved["ema"]) == pytest.approx(final["loss"], rel=1e-6)
     assert loss(saved["model"]) != pytest.approx(final["loss"], rel=1e-3)

@@ -18,7 +18,7 @@ from speedrun.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERNAL, EXIT_INT
 
 def build_parser() -> argparse.ArgumentParser:
     from speedrun import __version__
-    from speedrun import commands
+    from speedrun import commands, experiment_cli
     from speedrun.cluster import cli as cluster_cli
     from speedrun.data import cli as data_cli
 
@@ -30,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"speedrun {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     commands.register(sub)
+    experiment_cli.register(sub)
     data_cli.register(sub)
     cluster_cli.register(sub)
     return parser

@@ -121,6 +121,9 @@ def run_epochs(
                 # Evaluation time counts towards time-to-target, as in the 2018 record's clock.
                 state.train_s = clock.train_s()
                 evals.append(note_evaluation(recipe, phase, epoch, metrics, speed, state, tracker))
+                # results.json so far, so that `speedrun compare` can show a run that is still going.
+                tracker.write_results(build_results(cfg, ctx, source, state, evals, "running", clock.session_start,
+                                                    learner.precision))
             state.train_s = clock.train_s()
             if ctx.is_main and cfg.checkpoint_every and (
                 state.epoch % cfg.checkpoint_every == 0 or last or state.target_epoch is not None
@@ -190,8 +193,9 @@ def run_dir_error(e: OSError, out: Path, complete: str | None) -> BaseException:
 def note_evaluation(recipe: Recipe, phase: Phase, epoch: int, metrics: dict, speed: dict, state: RunState, tracker: Tracker) -> dict:
     """Log an evaluation, keep the best metrics, and stop the clock at the target. Returns the record."""
     record = {"epoch": epoch + 1, "step": state.step, "size": phase.size, "rect_val": phase.rect_val,
+              "crop_pct": phase.crop_pct,
               "wall_s": state.startup_s + state.train_s, "train_s": state.train_s, "epoch_s": speed["epoch_s"],
-              **metrics}
+              "images_per_s": speed["images_per_s"], **metrics}
     tracker.log_eval(record)
     tracker.print(
         f"epoch {epoch + 1:>3}/{recipe.epochs} {phase.size}px  loss {metrics['loss']:.4f}  "

@@ -67,7 +67,7 @@ def build_learner(cfg: TrainConfig, ctx: DistContext, source: DataSource) -> Lea
     in DistributedDataParallel when there are several processes and compiled if asked."""
     recipe = cfg.recipe
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-    model = build_model(recipe.model, source.num_classes, source.channels)
+    model = build_model(recipe.model, source.num_classes, source.channels, recipe.zero_init)
     model, channels_last = to_device(model, ctx.device)
     if cfg.sync_bn and ctx.distributed:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)

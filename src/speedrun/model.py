@@ -76,10 +76,11 @@ OWN_MODELS = {
 }
 
 
-def build_model(name: str, num_classes: int, in_chans: int = 3) -> nn.Module:
+def build_model(name: str, num_classes: int, in_chans: int = 3, zero_init: bool = True) -> nn.Module:
     """A freshly initialised classifier: `name` from speedrun, torchvision or timm (see module
     docstring), with `in_chans` input channels and `num_classes` outputs, made size-agnostic,
-    with zero-initialised residual BatchNorms and an N(0, 0.01) final layer."""
+    with zero-initialised residual BatchNorms (unless `zero_init` is False) and an N(0, 0.01)
+    final layer."""
     if name in OWN_MODELS:
         model = OWN_MODELS[name](in_chans, num_classes)
     elif not name.startswith("timm/") and name in torchvision.models.list_models(module=torchvision.models):
@@ -96,8 +97,14 @@ def build_model(name: str, num_classes: int, in_chans: int = 3) -> nn.Module:
                 f"unknown model {name!r}: not one of speedrun's ({', '.join(OWN_MODELS)}), "
                 "torchvision's or timm's (try `python -c 'import timm; print(timm.list_models())'`)"
             )
-        model = timm.create_model(timm_name, pretrained=False, num_classes=num_classes, in_chans=in_chans)
-    zero_init_residual_bn(model)
+        # timm zero-initialises its residual blocks itself (zero_init_last) where a model has them.
+        options = {} if zero_init else {"zero_init_last": False}
+        try:
+            model = timm.create_model(timm_name, pretrained=False, num_classes=num_classes, in_chans=in_chans, **options)
+        except TypeError:
+            raise SpeedrunError(f"timm's {timm_name} has no zero_init_last option: keep zero_init=True") from None
+    if zero_init:
+        zero_init_residual_bn(model)
     init_classifier(model)
     return model
 

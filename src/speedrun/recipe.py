@@ -132,6 +132,9 @@ class Recipe:
     eval_every: int = 1  # evaluate every k epochs (and always after the last one)
     eval_flip: bool = False  # test-time augmentation: average the logits of each image and its mirror
     ema_decay: float | None = None  # evaluate and save a moving average of the weights (per step)
+    # Each residual block's last norm starts at zero, so blocks start as the identity (Goyal et al.
+    # 2017); False keeps PyTorch's default of one.
+    zero_init: bool = True
     val_batch_size: int | None = None  # per device; defaults to the phase's batch size
     train_examples: int | None = None  # use only the first N training examples (quick runs)
     val_examples: int | None = None  # use only the first N validation examples

@@ -104,6 +104,21 @@ def _check_contents(out: Path, resume: bool) -> str | None:
     return f"{out} held a run that stopped before its first checkpoint; its files were moved to {aside.name}/, starting over"
 
 
+def in_use(out: Path) -> bool:
+    """Whether a live process holds `out` (a run is going on there now)."""
+    try:
+        f = open(out / LOCK)
+    except OSError:
+        return False
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(f, fcntl.LOCK_UN)
+        return False
+
+
 def _status(results: Path) -> str | None:
     """The status in a results.json, or None when there is none or it cannot be read."""
     try:

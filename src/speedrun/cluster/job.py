@@ -89,13 +89,15 @@ class Job:
 
     def upload(self, local: str | os.PathLike, remote: str | None = None) -> None:
         """task.upload on every distinct host (tasks sharing a host and path get one copy)."""
-        parallel(lambda t: t.upload(local, remote), self._one_per_destination(remote or Path(local).name))
+        parallel(lambda t: t.upload(local, remote), self.one_per_destination(remote or Path(local).name))
 
     def write(self, path: str, data: str | bytes) -> None:
         """task.write on every distinct host (tasks sharing a host and path get one copy)."""
-        parallel(lambda t: t.write(path, data), self._one_per_destination(path))
+        parallel(lambda t: t.write(path, data), self.one_per_destination(path))
 
-    def _one_per_destination(self, path: str) -> list[Task]:
+    def one_per_destination(self, path: str) -> list[Task]:
+        """One task per distinct (host, absolute path): where `path` is one shared directory (or
+        several tasks share a host), the first task that sees it."""
         seen: dict[tuple[str, str], Task] = {}
         for t in self.tasks:
             seen.setdefault((t.host.key, t.path(path)), t)

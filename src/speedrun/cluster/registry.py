@@ -54,6 +54,11 @@ def save(record: JobRecord, config_dir: str | os.PathLike | None = None) -> Path
     return path
 
 
+def exists(name: str, config_dir: str | os.PathLike | None = None) -> bool:
+    """Whether a job named `name` was recorded here."""
+    return (speedrun_home(config_dir) / "jobs" / f"{name}.json").is_file()
+
+
 def load(name: str, config_dir: str | os.PathLike | None = None) -> JobRecord:
     """The record of job `name`; a SpeedrunError naming the known jobs if there is none."""
     path = speedrun_home(config_dir) / "jobs" / f"{name}.json"

@@ -169,6 +169,16 @@ class Task:
         """Whether the path exists on the host."""
         return self.host.shell(f"test -e {shlex.quote(self.path(path))}").returncode == 0
 
+    def find(self, path: str, names: Sequence[str]) -> list[str]:
+        """Absolute paths of the files named one of `names` at or under `path` on the host, sorted
+        (none when `path` does not exist)."""
+        p = self.path(path)
+        match = " -o ".join(f"-name {shlex.quote(n)}" for n in names)
+        r = self.host.shell(f"test -d {shlex.quote(p)} || exit 0; find {shlex.quote(p)} -type f \\( {match} \\) -print")
+        if r.returncode != 0:
+            raise SpeedrunError(f"cannot list {p} on {self.host.name}: {r.stderr.strip()}")
+        return sorted(line for line in r.text.splitlines() if line)
+
     def read(self, path: str) -> str:
         """A text file's content on the host (UTF-8)."""
         p = self.path(path)

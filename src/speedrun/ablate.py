@@ -1,0 +1,296 @@
+"""What each trick is worth: `speedrun ablate RECIPE` runs the recipe and, for each trick it uses,
+the recipe with that trick turned off, N seeds each, and reports each trick's time to target
+relative to the full recipe.
+
+What "off" means is defined once, here, in `TRICKS`, and printed with the results. A variant
+differs from the full recipe in its trick's fields only. Runs go one after another to local
+processes (`speedrun train`, as a user runs it), or in parallel to a job's hosts. An ablation
+lives in one directory (plan.json, one recipe file per variant, one run directory per variant and
+seed); running the same command again continues it with the runs it lacks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import posixpath
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from speedrun.compare import RunSummary, read_run
+from speedrun.errors import EXIT_BAD_INPUT, SpeedrunError
+from speedrun.recipe import Recipe
+
+FULL = "full"  # the variant with every trick on
+DONE = ("finished", "target_reached")  # a run with one of these statuses is not run again
+
+
+@dataclass(frozen=True)
+class Trick:
+    """One trick: what turning it off means (printed), whether a recipe uses it, and the recipe
+    without it."""
+
+    name: str
+    off: str
+    used: Callable[[Recipe], bool]
+    turn_off: Callable[[Recipe], Recipe]
+
+
+def _phases(recipe: Recipe, **changes) -> Recipe:
+    return dataclasses.replace(recipe, phases=tuple(dataclasses.replace(p, **changes) for p in recipe.phases))
+
+
+def _one_batch_size(recipe: Recipe) -> Recipe:
+    # The linear scaling rule keeps each phase's LR per image: LR x (one batch / phase batch).
+    b = recipe.phases[0].batch_size
+    scale = lambda p: (lambda lr: lr * b / p.batch_size)  # noqa: E731
+    return dataclasses.replace(recipe, phases=tuple(
+        dataclasses.replace(p, batch_size=b, lr=tuple(map(scale(p), p.lr)) if isinstance(p.lr, tuple) else scale(p)(p.lr))
+        for p in recipe.phases))
+
+
+def _rising(lr) -> bool:
+    return isinstance(lr, tuple) and lr[0] < lr[1]
+
+
+def _no_warmup(recipe: Recipe) -> Recipe:
+    # The rising ramps at the start become their peak, held; no ramp of a scaled LR either.
+    phases, warming = [], True
+    for p in recipe.phases:
+        warming = warming and _rising(p.lr)
+        phases.append(dataclasses.replace(p, lr=p.lr[1]) if warming else p)
+    return dataclasses.replace(recipe, phases=tuple(phases), scale_warmup_epochs=0.0)
+
+
+TRICKS: dict[str, Trick] = {t.name: t for t in (
+    Trick("progressive-resizing", "every phase at the final phase's size (and its data copy)",
+          lambda r: len({p.size for p in r.phases}) > 1,
+          lambda r: _phases(r, size=r.phases[-1].size, copy=r.phases[-1].copy)),
+    Trick("dynamic-batch", "one batch size, the first phase's, each phase's LR scaled by the batch ratio",
+          lambda r: len({p.batch_size for p in r.phases}) > 1, _one_batch_size),
+    Trick("rect-val", "square centre-crop validation", lambda r: any(p.rect_val for p in r.phases),
+          lambda r: _phases(r, rect_val=False)),
+    Trick("no-wd-norm", "weight decay on every parameter, norms and biases too",
+          lambda r: r.optimizer.no_decay != "none" and r.optimizer.weight_decay > 0,
+          lambda r: dataclasses.replace(r, optimizer=dataclasses.replace(r.optimizer, no_decay="none"))),
+    Trick("warmup", "no warmup: the first rising LR ramp held at its peak, no scaled-LR ramp",
+          lambda r: _rising(r.phases[0].lr), _no_warmup),
+    Trick("zero-init", "residual blocks' last norm starts at one (PyTorch's default), not zero",
+          lambda r: r.zero_init, lambda r: dataclasses.replace(r, zero_init=False)),
+    Trick("ema", "evaluate the raw weights, no moving average", lambda r: r.ema_decay is not None,
+          lambda r: dataclasses.replace(r, ema_decay=None)),
+    Trick("eval-flip", "evaluate each image once, not also mirrored", lambda r: r.eval_flip,
+          lambda r: dataclasses.replace(r, eval_flip=False)),
+)}
+
+
+def variants(recipe: Recipe, only: Sequence[str] | None = None) -> dict[str, Recipe]:
+    """The full recipe (FULL) and one recipe per trick it uses with that trick off, by trick name.
+    `only`: those tricks (each must exist; one the recipe does not use is an error)."""
+    unknown = [t for t in only or () if t not in TRICKS]
+    if unknown:
+        raise SpeedrunError(f"unknown trick {', '.join(unknown)} (tricks: {', '.join(TRICKS)})")
+    unused = [t for t in only or () if not TRICKS[t].used(recipe)]
+    if unused:
+        raise SpeedrunError(f"recipe {recipe.name} does not use {', '.join(unused)}: nothing to turn off")
+    chosen = [t for t in TRICKS.values() if (t.name in only if only else t.used(recipe))]
+    out = {FULL: recipe}
+    for t in chosen:
+        out[t.name] = dataclasses.replace(t.turn_off(recipe), name=f"{recipe.name}-no-{t.name}").validate()
+    return out
+
+
+@dataclass(frozen=True)
+class Plan:
+    """An ablation: the recipe's variants, seeds, and what every run is given."""
+
+    recipe: Recipe
+    tricks: tuple[str, ...]
+    seeds: int
+    data: str | None
+    train_args: tuple[str, ...] = ()  # more `speedrun train` options for every run (--device, --workers ...)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"recipe": self.recipe.to_dict(), "tricks": list(self.tricks), "seeds": self.seeds, "data": self.data,
+                "train_args": list(self.train_args)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Plan:
+        return cls(Recipe.from_dict(d["recipe"]), tuple(d["tricks"]), d["seeds"], d["data"], tuple(d["train_args"]))
+
+    def runs(self) -> list[tuple[str, int]]:
+        """(variant, seed) pairs, seed-major: with a run cut short, every variant has as many seeds."""
+        return [(v, s) for s in range(self.seeds) for v in (FULL, *self.tricks)]
+
+
+def prepare(out: Path, plan: Plan) -> None:
+    """Write plan.json and the variants' recipe files in `out`, or check that `out` holds this very
+    plan (an interrupted ablation continues; another plan there is refused)."""
+    saved = out / "plan.json"
+    if saved.exists():
+        if json.loads(saved.read_text()) != json.loads(json.dumps(plan.to_dict())):
+            raise SpeedrunError(f"{out} holds another ablation (plan.json differs): choose another --out")
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    for name, recipe in variants(plan.recipe, plan.tricks).items():
+        (out / name).mkdir(exist_ok=True)
+        (out / name / "recipe.py").write_text(recipe_file(recipe))
+    saved.write_text(json.dumps(plan.to_dict(), indent=2) + "\n")
+
+
+def recipe_file(recipe: Recipe) -> str:
+    """A recipe file (`speedrun train --recipe FILE`) holding exactly `recipe`."""
+    return ("# Written by speedrun ablate.\nimport json\n\nfrom speedrun.recipe import Recipe\n\n"
+            f"recipe = Recipe.from_dict(json.loads({json.dumps(json.dumps(recipe.to_dict()))}))\n")
+
+
+def train_argv(plan: Plan, variant: str, seed: int, resume: bool, python: str = sys.executable) -> list[str]:
+    """The `speedrun train` command line of one run (paths relative to the ablation directory)."""
+    argv = [python, "-m", "speedrun", "train", "--recipe", f"{variant}/recipe.py", "--seed", str(seed),
+            "--out", f"{variant}/seed{seed}"]
+    if plan.data:
+        argv += ["--data", plan.data]
+    return argv + list(plan.train_args) + (["--resume"] if resume else [])
+
+
+def run_local(out: Path, plan: Plan, say: Callable[[str], None] = print) -> None:
+    """Every run the ablation lacks, one after another on this machine. A run that fails (a
+    variant can diverge) is recorded as failed and the ablation goes on; bad input stops it, and
+    Ctrl-C stops it with the interrupted run resumable."""
+    todo = [(v, s) for v, s in plan.runs() if _status(out / v / f"seed{s}") not in DONE]
+    if len(todo) < len(plan.runs()):
+        say(f"{len(plan.runs()) - len(todo)} of {len(plan.runs())} runs already done in {out}")
+    for i, (variant, seed) in enumerate(todo, 1):
+        run_dir = out / variant / f"seed{seed}"
+        resume = (run_dir / "checkpoint.pt").is_file()
+        say(f"[{i}/{len(todo)}] {variant}, seed {seed}{' (resumed)' if resume else ''}")
+        # Its own session: a Ctrl-C reaches this process only, which passes exactly one SIGINT on
+        # and waits, so the run writes its results and checkpoint undisturbed.
+        proc = subprocess.Popen(train_argv(plan, variant, seed, resume), cwd=out, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        stopped = f"ablation stopped during {variant} seed {seed}; run the same command to continue"
+        try:
+            _, stderr = proc.communicate()
+        except KeyboardInterrupt:
+            proc.send_signal(signal.SIGINT)
+            proc.communicate()
+            raise KeyboardInterrupt(stopped) from None
+        last = stderr.strip().splitlines()[-1] if stderr.strip() else f"exit status {proc.returncode}"
+        if proc.returncode == 130:
+            raise KeyboardInterrupt(stopped)
+        if proc.returncode == EXIT_BAD_INPUT:
+            raise SpeedrunError(f"{variant} seed {seed}: {last}")
+        if proc.returncode != 0:
+            say(f"  {variant} seed {seed} failed: {last}")
+
+
+def run_on_job(job, out: str, plan: Plan, say: Callable[[str], None] = print) -> None:
+    """Every run the ablation lacks, spread over the job's tasks (each runs its share one after
+    another, all tasks at once), in `out` under the job's run directory; returns when all end."""
+    remote = posixpath.join(job.run_dir, out)
+    job.write(f"{remote}/plan.json", json.dumps(plan.to_dict(), indent=2) + "\n")
+    for name, recipe in variants(plan.recipe, plan.tricks).items():
+        job.write(f"{remote}/{name}/recipe.py", recipe_file(recipe))
+    shares: list[list[tuple[str, int]]] = [[] for _ in job.tasks]
+    for k, run in enumerate(plan.runs()):
+        shares[k % len(job.tasks)].append(run)
+    commands = []
+    for task, share in zip(job.tasks, shares):
+        if not share:
+            continue
+        # In the shell: skip a finished run, resume one with a checkpoint, go on after a failure.
+        lines = [f"cd {shlex.quote(task.path(remote))}"]
+        for variant, seed in share:
+            d = f"{variant}/seed{seed}"
+            fresh, again = (shlex.join(train_argv(plan, variant, seed, r, job.python)) for r in (False, True))
+            lines.append(f"if grep -qE '\"status\": \"({'|'.join(DONE)})\"' {d}/results.json 2>/dev/null; then :; "
+                         f"elif [ -f {d}/checkpoint.pt ]; then {again}; else {fresh}; fi")
+        commands.append(task.run("\n".join(lines), background=True, name="ablate"))
+        say(f"task {task.index}: {len(share)} runs")
+    for command in commands:
+        command.wait(check=False)
+
+
+def _status(run_dir: Path) -> str | None:
+    try:
+        return json.loads((run_dir / "results.json").read_text()).get("status")
+    except (OSError, ValueError):
+        return None
+
+
+@dataclass
+class TrickResult:
+    """One trick's effect over the seeds: time to target relative to the full recipe's (per seed,
+    where both reached it), how many seeds did not reach it, mean best top-1."""
+
+    trick: str
+    off: str
+    ratios: list[float]
+    not_reached: int
+    seeds: int
+    mean_time_s: float | None
+    mean_best_top1: float | None
+
+
+def summarise(plan: Plan, runs: dict[tuple[str, int], RunSummary]) -> list[TrickResult]:
+    """The full recipe first, then each trick, from the runs found (missing ones count as not
+    reached: they have no time)."""
+    out = []
+    for name in (FULL, *plan.tricks):
+        times, ratios, best, missed = [], [], [], 0
+        for seed in range(plan.seeds):
+            run, full = runs.get((name, seed)), runs.get((FULL, seed))
+            t = run.time_to_target_s if run else None
+            if run and run.best.get("top1") is not None:
+                best.append(run.best["top1"])
+            if t is None:
+                missed += 1
+                continue
+            times.append(t)
+            if full and full.time_to_target_s:
+                ratios.append(t / full.time_to_target_s)
+        out.append(TrickResult(name, "every trick on" if name == FULL else TRICKS[name].off, ratios, missed,
+                               plan.seeds, statistics.mean(times) if times else None,
+                               statistics.mean(best) if best else None))
+    return out
+
+
+def read_runs(out: Path, plan: Plan, live: bool = True) -> dict[tuple[str, int], RunSummary]:
+    """The runs of the ablation in `out` that have results, by (variant, seed)."""
+    found = {}
+    for variant, seed in plan.runs():
+        d = out / variant / f"seed{seed}"
+        if (d / "results.json").is_file():
+            found[(variant, seed)] = read_run(d, label=f"{variant}/seed{seed}", live=live)
+    return found
+
+
+def table(results: Sequence[TrickResult]) -> list[dict[str, str]]:
+    """Printable rows: time to target relative to the full recipe as mean and range over seeds."""
+    rows = []
+    for r in results:
+        if r.trick == FULL:
+            relative = "1 (reference)"
+        elif r.ratios:
+            spread = f" ({min(r.ratios):.2f}-{max(r.ratios):.2f})" if len(r.ratios) > 1 else ""
+            relative = f"{statistics.mean(r.ratios):.2f}x{spread}"
+        else:
+            relative = "-"
+        rows.append({
+            "off": r.trick, "what off means": r.off,
+            "time to target": f"{r.mean_time_s:.1f} s" if r.mean_time_s is not None else "-",
+            "vs full": relative, "not reached": f"{r.not_reached}/{r.seeds}",
+            "best top1": f"{100 * r.mean_best_top1:.2f}%" if r.mean_best_top1 is not None else "-",
+        })
+    return rows
+
+
+def default_out(recipe: Recipe) -> Path:
+    """runs/ablate-<recipe>: the same command finds the same ablation again and continues it."""
+    return Path("runs") / f"ablate-{recipe.name}"

@@ -1,0 +1,223 @@
+"""Runs side by side: `speedrun compare RUN_DIR... | JOB` and `speedrun.compare(...)`.
+
+A run directory says what ran and how it went in results.json (rewritten after every evaluation
+while the run goes on, status "running") and metrics.jsonl (one record per evaluation). This
+module reads them, lists the recipe fields that differ between the runs, sorts the runs by time to
+target, and overlays their accuracy against wall time in one plot. A job's runs are read from its
+hosts first (the two small files of each run, never the checkpoints).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from speedrun import rundir
+from speedrun.errors import SpeedrunError
+
+RUN_FILES = ("results.json", "metrics.jsonl")  # what compare reads of a run
+SKIPPED_FIELDS = ("name", "description")  # recipe fields that say nothing about what ran
+
+
+@dataclass
+class RunSummary:
+    """One run as compare sees it. Times in seconds from process start, accuracies as fractions."""
+
+    label: str  # how the table names it (a path, or task:path for a job's run)
+    path: Path  # the local directory read
+    status: str  # results.json's status; "stopped" when it says running but no process holds the run
+    recipe: dict[str, Any]
+    target: dict | None
+    time_to_target_s: float | None
+    best: dict[str, float]
+    final: dict | None
+    world_size: int | None
+    device: str | None
+    seed: int | None
+    images_per_s: float | None  # mean over the evaluated epochs
+    cost_usd: float | None  # where the run's provider knows it
+    evals: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class Comparison:
+    """The runs (sorted by time to target, then best top-1), the recipe fields that differ between
+    them (dotted names: `optimizer.weight_decay`, `phases.size` for all phases), and the plot."""
+
+    runs: list[RunSummary]
+    differing: list[str]
+    plot: Path | None = None
+
+    def rows(self) -> list[dict[str, Any]]:
+        """The table: one dict per run, in order, with printable values."""
+        out = []
+        for r in self.runs:
+            flat = flatten_recipe(r.recipe)
+            row: dict[str, Any] = {"run": r.label, "recipe": r.recipe.get("name", "?")}
+            row.update({key: flat.get(key, "-") for key in self.differing})
+            row.update({
+                "device": f"{r.world_size} x {r.device.split(' (')[0]}" if r.device else "-",
+                "seed": r.seed if r.seed is not None else "-",
+                "status": r.status,
+                "time to target": (f"{r.time_to_target_s:.1f} s" if r.time_to_target_s is not None
+                                   else ("no target" if r.target is None else "not reached")),
+                "best top1": _pct(r.best.get("top1")),
+                "final top1": _pct(r.final["top1"] if r.final else None),
+                "images/s": f"{r.images_per_s:,.0f}" if r.images_per_s else "-",
+            })
+            if any(run.cost_usd is not None for run in self.runs):
+                row["cost"] = f"${r.cost_usd:.2f}" if r.cost_usd is not None else "-"
+            out.append(row)
+        return out
+
+
+def _pct(x: float | None) -> str:
+    return f"{100 * x:.2f}%" if x is not None else "-"
+
+
+def read_run(path: str | os.PathLike, label: str | None = None, live: bool = True) -> RunSummary:
+    """The run in directory `path`. `live`: the directory is on this machine, so a run that says
+    "running" can be checked for a process holding it (else it stopped without a word: "stopped")."""
+    path = Path(path)
+    results_path, metrics_path = path / "results.json", path / "metrics.jsonl"
+    if not results_path.is_file():
+        what = "is not a directory" if not path.is_dir() else "holds no results.json (not a run directory, or a run before its first evaluation)"
+        raise SpeedrunError(f"{path} {what}")
+    try:
+        results = json.loads(results_path.read_text())
+    except ValueError:
+        raise SpeedrunError(f"{results_path} is not JSON; was it cut short?") from None
+    from speedrun.track import read_jsonl  # here: track imports torch, which the command line loads only when needed
+
+    evals = read_jsonl(metrics_path)
+    status = results.get("status", "?")
+    if status == "running" and live and not rundir.in_use(path):
+        status = "stopped"
+    speeds = [e["images_per_s"] for e in evals if "images_per_s" in e]
+    return RunSummary(
+        label=label or str(path), path=path, status=status, recipe=results.get("recipe") or {},
+        target=results.get("target"), time_to_target_s=results.get("time_to_target_s"),
+        best=results.get("best") or {}, final=results.get("final"), world_size=results.get("world_size"),
+        device=results.get("device"), seed=results.get("seed"),
+        images_per_s=sum(speeds) / len(speeds) if speeds else None, cost_usd=results.get("cost_usd"), evals=evals,
+    )
+
+
+def flatten_recipe(recipe: dict[str, Any]) -> dict[str, str]:
+    """A recipe dict as dotted keys with printable values; the phases' fields each become one key
+    (`phases.size` = "20/20/24/28", or one value when every phase has it), plus `epochs`."""
+    flat: dict[str, str] = {}
+    for key, value in recipe.items():
+        if key in SKIPPED_FIELDS:
+            continue
+        if key == "phases":
+            flat["epochs"] = str(value[-1]["end"] if value else 0)
+            for name in dict.fromkeys(k for p in value for k in p):
+                per_phase = [_short(p.get(name)) for p in value]
+                flat[f"phases.{name}"] = per_phase[0] if len(set(per_phase)) == 1 else "/".join(per_phase)
+        elif isinstance(value, dict):
+            flat.update({f"{key}.{k}": _short(v) for k, v in value.items()})
+        else:
+            flat[key] = _short(value)
+    return flat
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, list | tuple):
+        return "(" + ", ".join(_short(v) for v in value) + ")"
+    return str(value)
+
+
+def differing_fields(recipes: Sequence[dict[str, Any]]) -> list[str]:
+    """The flattened recipe keys whose values are not the same in every recipe, in recipe order."""
+    flats = [flatten_recipe(r) for r in recipes]
+    keys = list(dict.fromkeys(k for f in flats for k in f))
+    return [k for k in keys if len({f.get(k, "-") for f in flats}) > 1]
+
+
+def compare(runs: Sequence[RunSummary], plot: str | os.PathLike | None = None) -> Comparison:
+    """The runs sorted (reached the target first, fastest first; then by best top-1), the recipe
+    fields that differ, and, with `plot`, a PNG of top-1 against wall time for all of them."""
+    if not runs:
+        raise SpeedrunError("no runs to compare")
+    ordered = sorted(runs, key=lambda r: (r.time_to_target_s is None, r.time_to_target_s or 0.0,
+                                          -r.best.get("top1", 0.0), r.label))
+    result = Comparison(ordered, differing_fields([r.recipe for r in ordered]))
+    if plot is not None:
+        result.plot = plot_runs(ordered, Path(plot))
+    return result
+
+
+def plot_runs(runs: Sequence[RunSummary], path: Path) -> Path:
+    """Top-1 against wall time (minutes from process start), one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5))
+    for r in runs:
+        if r.evals:
+            ax.plot([e["wall_s"] / 60 for e in r.evals], [100 * e["top1"] for e in r.evals], marker="o", markersize=3,
+                    label=r.label)
+    targets = {json.dumps(r.target, sort_keys=True) for r in runs if r.target}
+    if len(targets) == 1:
+        target = json.loads(targets.pop())
+        if target["metric"] == "top1":
+            ax.axhline(100 * target["value"], color="gray", linestyle="--", label="target")
+    ax.set_xlabel("wall time since process start (min)")
+    ax.set_ylabel("validation top-1 (%)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def find_runs(root: str | os.PathLike) -> list[Path]:
+    """Run directories at or under `root` (directories holding a results.json), sorted."""
+    root = Path(root)
+    return sorted(p.parent for p in root.rglob("results.json") if "abandoned-" not in p.parent.name)
+
+
+def fetch_run_files(job, remote_root: str, local_root: Path, per_task: bool, warn=print) -> None:
+    """Copy the results.json and metrics.jsonl of every run under `remote_root` (relative to the
+    job's tasks) from the job's hosts into `local_root`, keeping their layout; under
+    `local_root/task<i>/` with `per_task`. A host that cannot be read is reported through `warn`
+    and left out."""
+    for task in job.one_per_destination(remote_root):
+        base = local_root / f"task{task.index}" if per_task else local_root
+        try:
+            for remote in task.find(remote_root, RUN_FILES):
+                local = base / os.path.relpath(remote, task.path(remote_root))
+                local.parent.mkdir(parents=True, exist_ok=True)
+                local.write_text(task.read(remote))
+        except SpeedrunError as e:
+            warn(f"task {task.index} ({task.host.name}): {e}")
+
+
+def collect_job(name: str, cache: str | os.PathLike | None = None, config_dir: str | os.PathLike | None = None,
+                warn=print) -> list[RunSummary]:
+    """The runs under job `name`'s run directory, read from its hosts into `cache` (default
+    <speedrun home>/compare/<name>, ~/.speedrun by default) and labelled `<task>:<path in the run
+    directory>`."""
+    from speedrun.cluster.lifecycle import open_job
+    from speedrun.cluster.registry import speedrun_home
+
+    job = open_job(name, config_dir)
+    cache = Path(cache or speedrun_home(config_dir) / "compare" / name)
+    shutil.rmtree(cache, ignore_errors=True)  # runs removed from the hosts leave no stale copies
+    fetch_run_files(job, job.run_dir, cache, per_task=True, warn=warn)
+    runs = []
+    for task_dir in sorted(cache.glob("task*")):
+        for run in find_runs(task_dir):
+            runs.append(read_run(run, label=f"{task_dir.name.removeprefix('task')}:{run.relative_to(task_dir)}", live=False))
+    return runs

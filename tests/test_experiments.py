@@ -1,0 +1,159 @@
+"""`speedrun compare` and `speedrun ablate`, through the command line, on runs the tests make."""
+import json
+import os
+import signal
+
+import pytest
+
+from cli_run import speedrun, start, wait_for
+from speedrun.ablate import FULL, TRICKS, variants
+from speedrun.compare import compare, differing_fields, flatten_recipe, read_run
+from speedrun.recipes import BUILTIN
+
+WIDE = {**os.environ, "COLUMNS": "250"}  # a table row stays on one line
+
+
+def results(run_dir) -> dict:
+    return json.loads((run_dir / "results.json").read_text())
+
+
+def table_rows(stdout: str) -> list[str]:
+    """The table's data lines (one per run), in order."""
+    return [line for line in stdout.splitlines() if line.strip().startswith(("r-", "live"))]
+
+
+def test_compare_finished_unfinished_not_reached_and_different_recipes(tmp_path):
+    slower = tmp_path / "slower.py"
+    slower.write_text("import dataclasses\nfrom speedrun.recipes import BUILTIN\n"
+                      "recipe = dataclasses.replace(BUILTIN['tiny'], name='tiny-wd', optimizer=dataclasses.replace("
+                      "BUILTIN['tiny'].optimizer, weight_decay=1e-3))\n")
+    made = {
+        "r-reached": ["--recipe", "tiny", "--target", "top1=0.6"],
+        "r-other-recipe": ["--recipe", str(slower), "--target", "top1=0.6"],
+        "r-not-reached": ["--recipe", "tiny", "--epochs", "2", "--target", "top1=0.99"],
+    }
+    for name, args in made.items():
+        proc = speedrun("train", *args, "--out", str(tmp_path / name))
+        assert proc.returncode == 0, proc.stderr
+    # A run that is still going: results.json says "running" after its first evaluation.
+    live = start("train", "--recipe", "tiny", "--epochs", "50", "--target", "none", "--out", str(tmp_path / "live"))
+    try:
+        wait_for(lambda: (tmp_path / "live/results.json").is_file() and results(tmp_path / "live")["status"] == "running",
+                 120, "the live run's first evaluation")
+        proc = speedrun("compare", "r-not-reached", "live", "r-reached", "r-other-recipe", "--plot", "cmp.png",
+                        env=WIDE, cwd=tmp_path)
+    finally:
+        live.send_signal(signal.SIGINT)
+        live.communicate(timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rows = table_rows(proc.stdout)
+    # Reached first, fastest first; then the rest by best top-1.
+    reached = sorted(("r-reached", "r-other-recipe"), key=lambda n: results(tmp_path / n)["time_to_target_s"])
+    assert [r.split()[0] for r in rows[:2]] == reached
+    assert {r.split()[0] for r in rows[2:]} == {"r-not-reached", "live"}
+    by_name = {r.split()[0]: r for r in rows}
+    assert "not reached" in by_name["r-not-reached"] and "running" in by_name["live"]
+    assert (tmp_path / "cmp.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The same through the Python API: the fields that differ, and their values per run.
+    result = compare([read_run(tmp_path / n) for n in made])
+    assert {"optimizer.weight_decay", "target.value", "epochs"} <= set(result.differing)
+    assert "optimizer.momentum" not in result.differing and "model" not in result.differing
+    rows = {row["run"].rsplit("/", 1)[-1]: row for row in result.rows()}
+    assert rows["r-other-recipe"]["optimizer.weight_decay"] == "0.001" and rows["r-reached"]["optimizer.weight_decay"] == "0.0005"
+    assert rows["r-not-reached"]["target.value"] == "0.99" and rows["r-not-reached"]["epochs"] == "2"
+    assert rows["r-not-reached"]["time to target"] == "not reached" and rows["r-reached"]["time to target"].endswith(" s")
+    # Once it is stopped the same run reads "interrupted"; a run that says running with no process
+    # holding it (killed outright) reads "stopped".
+    assert results(tmp_path / "live")["status"] == "interrupted"
+    data = results(tmp_path / "live")
+    (tmp_path / "live/results.json").write_text(json.dumps({**data, "status": "running"}))
+    proc = speedrun("compare", "live", "--plot", "one.png", env=WIDE, cwd=tmp_path)
+    assert "stopped" in table_rows(proc.stdout)[0]
+
+
+def test_compare_refuses_what_is_not_a_run(tmp_path):
+    for args, expected in (([str(tmp_path)], "holds no run"), (["no-such-job"], "neither a directory nor a job")):
+        proc = speedrun("compare", *args, "--plot", str(tmp_path / "x.png"))
+        assert proc.returncode == 2 and expected in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+# What each trick's variant may change, written out here independently of speedrun.ablate.
+TRICK_FIELDS = {
+    "progressive-resizing": {"phases.size", "phases.copy"},
+    "dynamic-batch": {"phases.batch_size", "phases.lr"},
+    "rect-val": {"phases.rect_val"},
+    "no-wd-norm": {"optimizer.no_decay"},
+    "warmup": {"phases.lr", "scale_warmup_epochs"},
+    "zero-init": {"zero_init"},
+    "ema": {"ema_decay"},
+    "eval-flip": {"eval_flip"},
+}
+
+
+@pytest.mark.parametrize("name", ["tiny", "fashion-mnist", "imagenet-16x8", "imagenet-1x8"])
+def test_each_variant_differs_from_the_full_recipe_in_its_trick_only(name):
+    recipe = BUILTIN[name]
+    found = variants(recipe)
+    assert set(TRICK_FIELDS) == set(TRICKS)
+    for trick, variant in found.items():
+        if trick == FULL:
+            assert variant == recipe
+            continue
+        changed = set(differing_fields([dict(recipe.to_dict(), name=""), dict(variant.to_dict(), name="")]))
+        assert changed and changed <= TRICK_FIELDS[trick], (trick, changed)
+    # A trick the recipe does not use is not run (and asking for it is an error in the CLI).
+    assert ("rect-val" in found) == any(p.rect_val for p in recipe.phases)
+    assert ("ema" in found) == (recipe.ema_decay is not None)
+
+
+def test_turned_off_tricks_mean_what_the_help_says():
+    full = BUILTIN["imagenet-16x8"]
+    v = variants(full)
+    assert {p.size for p in v["progressive-resizing"].phases} == {288}
+    assert {p.batch_size for p in v["dynamic-batch"].phases} == {64}
+    # Linear scaling: 128-image phases at 3.76 become 64-image phases at 1.88 (the same LR per image).
+    assert v["dynamic-batch"].phases[1].lr == pytest.approx(1.88)
+    assert v["warmup"].phases[0].lr == 3.76 and v["warmup"].scale_warmup_epochs == 0
+    assert flatten_recipe(v["no-wd-norm"].to_dict())["optimizer.no_decay"] == "none"
+
+
+def test_ablate_runs_every_variant_with_two_seeds_and_an_interrupted_one_finishes_the_rest(tmp_path):
+    out = tmp_path / "abl"
+    argv = ["ablate", "tiny", "--only", "warmup,zero-init", "--seeds", "2", "--target", "top1=0.6", "--out", str(out)]
+    runs = [(v, s) for s in range(2) for v in (FULL, "warmup", "zero-init")]
+    # Ctrl-C (SIGINT to the whole foreground group, as a terminal sends it) during the fourth run.
+    proc = start(*argv, start_new_session=True, env=WIDE)
+    wait_for(lambda: (out / "full/seed1").is_dir(), 300, "the fourth run to start")
+    done_before = {r for r in runs if (out / r[0] / f"seed{r[1]}/results.json").is_file()
+                   and results(out / r[0] / f"seed{r[1]}")["status"] in ("finished", "target_reached")}
+    os.killpg(proc.pid, signal.SIGINT)
+    proc.communicate(timeout=120)
+    assert proc.returncode == 130
+    assert done_before >= set(runs[:3])
+    stamps = {r: (out / r[0] / f"seed{r[1]}/results.json").stat().st_mtime_ns for r in done_before}
+
+    again = speedrun(*argv, env=WIDE)
+    assert again.returncode == 0, again.stderr
+    assert f"{len(done_before)} of 6 runs already done" in again.stdout
+    for r in runs:
+        assert results(out / r[0] / f"seed{r[1]}")["status"] in ("finished", "target_reached"), r
+    assert all((out / r[0] / f"seed{r[1]}/results.json").stat().st_mtime_ns == t for r, t in stamps.items())
+    # Each variant ran its own recipe: the recipe in its results differs from the full one in its trick.
+    full = results(out / "full/seed0")["recipe"]
+    for trick in ("warmup", "zero-init"):
+        changed = set(differing_fields([dict(full, name=""), dict(results(out / trick / "seed1")["recipe"], name="")]))
+        assert changed and changed <= TRICK_FIELDS[trick]
+    summary = json.loads((out / "ablation.json").read_text())
+    assert [row["off"] for row in summary["rows"]] == [FULL, "warmup", "zero-init"]
+    assert all(row["not reached"].endswith("/2") for row in summary["rows"])
+    assert (out / "compare.png").is_file()
+    # The same command on a finished ablation runs nothing.
+    third = speedrun(*argv, env=WIDE)
+    assert third.returncode == 0 and "6 of 6 runs already done" in third.stdout
+
+
+def test_ablate_refuses_unknown_and_unused_tricks(tmp_path):
+    for only, expected in (("nope", "unknown trick nope"), ("rect-val", "does not use rect-val")):
+        proc = speedrun("ablate", "tiny", "--only", only, "--out", str(tmp_path / "a"))
+        assert proc.returncode == 2 and expected in proc.stderr, proc.stderr
+    assert not (tmp_path / "a").exists()
