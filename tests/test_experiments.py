@@ -36,7 +36,7 @@ def test_compare_finished_unfinished_not_reached_and_different_recipes(tmp_path)
         proc = speedrun("train", *args, "--out", str(tmp_path / name))
         assert proc.returncode == 0, proc.stderr
     # A run that is still going: results.json says "running" after its first evaluation.
-    live = start("train", "--recipe", "tiny", "--epochs", "50", "--target", "none", "--out", str(tmp_path / "live"))
+    live = start("train", "--recipe", "tiny", "--epochs", "50", "--target", "top1=0.99", "--out", str(tmp_path / "live"))
     try:
         wait_for(lambda: (tmp_path / "live/results.json").is_file() and results(tmp_path / "live")["status"] == "running",
                  120, "the live run's first evaluation")
@@ -52,7 +52,7 @@ def test_compare_finished_unfinished_not_reached_and_different_recipes(tmp_path)
     assert [r.split()[0] for r in rows[:2]] == reached
     assert {r.split()[0] for r in rows[2:]} == {"r-not-reached", "live"}
     by_name = {r.split()[0]: r for r in rows}
-    assert "not reached" in by_name["r-not-reached"] and "running" in by_name["live"]
+    assert "not reached" in by_name["r-not-reached"] and "running" in by_name["live"] and "not yet" in by_name["live"]
     assert (tmp_path / "cmp.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # The same through the Python API: the fields that differ, and their values per run.
     result = compare([read_run(tmp_path / n) for n in made])

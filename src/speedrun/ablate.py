@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from speedrun.compare import RunSummary, read_run
-from speedrun.errors import EXIT_BAD_INPUT, SpeedrunError
+from speedrun.errors import EXIT_BAD_INPUT, SpeedrunError, stop_on_sigterm
 from speedrun.recipe import Recipe
 
 FULL = "full"  # the variant with every trick on
@@ -166,19 +166,28 @@ def run_local(out: Path, plan: Plan, say: Callable[[str], None] = print) -> None
     todo = [(v, s) for v, s in plan.runs() if _status(out / v / f"seed{s}") not in DONE]
     if len(todo) < len(plan.runs()):
         say(f"{len(plan.runs()) - len(todo)} of {len(plan.runs())} runs already done in {out}")
+    restore_sigterm = stop_on_sigterm()  # `kill` stops the ablation as Ctrl-C does, run included
+    try:
+        _run_each(out, plan, todo, say)
+    finally:
+        restore_sigterm()
+
+
+def _run_each(out: Path, plan: Plan, todo: list[tuple[str, int]], say: Callable[[str], None]) -> None:
     for i, (variant, seed) in enumerate(todo, 1):
         run_dir = out / variant / f"seed{seed}"
         resume = (run_dir / "checkpoint.pt").is_file()
         say(f"[{i}/{len(todo)}] {variant}, seed {seed}{' (resumed)' if resume else ''}")
-        # Its own session: a Ctrl-C reaches this process only, which passes exactly one SIGINT on
-        # and waits, so the run writes its results and checkpoint undisturbed.
+        # Its own session: a Ctrl-C reaches this process only, which stops the run with exactly one
+        # SIGTERM (the trainer takes it as Ctrl-C; SIGINT may be ignored in a background job) and
+        # waits, so the run writes its results and checkpoint undisturbed.
         proc = subprocess.Popen(train_argv(plan, variant, seed, resume), cwd=out, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
         stopped = f"ablation stopped during {variant} seed {seed}; run the same command to continue"
         try:
             _, stderr = proc.communicate()
         except KeyboardInterrupt:
-            proc.send_signal(signal.SIGINT)
+            proc.send_signal(signal.SIGTERM)
             proc.communicate()
             raise KeyboardInterrupt(stopped) from None
         last = stderr.strip().splitlines()[-1] if stderr.strip() else f"exit status {proc.returncode}"

@@ -64,7 +64,8 @@ class Comparison:
                 "seed": r.seed if r.seed is not None else "-",
                 "status": r.status,
                 "time to target": (f"{r.time_to_target_s:.1f} s" if r.time_to_target_s is not None
-                                   else ("no target" if r.target is None else "not reached")),
+                                   else "no target" if r.target is None
+                                   else "not yet" if r.status == "running" else "not reached"),
                 "best top1": _pct(r.best.get("top1")),
                 "final top1": _pct(r.final["top1"] if r.final else None),
                 "images/s": f"{r.images_per_s:,.0f}" if r.images_per_s else "-",

@@ -10,8 +10,6 @@ import dataclasses
 import errno
 import math
 import os
-import signal
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -25,7 +23,7 @@ from speedrun.config import TrainConfig
 from speedrun.data import build_source
 from speedrun.data.base import DataSource, TrainStream
 from speedrun.dist import DistContext, all_reduce_sum, broadcast_object, init_distributed, pick_device, shutdown
-from speedrun.errors import SpeedrunError, TrainingFailed
+from speedrun.errors import SpeedrunError, TrainingFailed, stop_on_sigterm
 from speedrun.learner import (DeviceBatches, EvalSettings, Learner, build_learner, check_device_options,
                               configure_determinism, evaluate)
 from speedrun.optim import set_lr
@@ -278,19 +276,6 @@ class PhaseStreams:
         if self.stream is not None:
             self.stream.close()
             self.stream, self.key = None, None
-
-
-def stop_on_sigterm():
-    """Treat SIGTERM (torchrun stopping the survivors when a rank died, a spot instance being
-    reclaimed) like Ctrl-C, so results so far are written. Returns a function undoing this."""
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt(f"stopped by signal {signal.Signals(signum).name}")
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    return lambda: signal.signal(signal.SIGTERM, previous)
 
 
 def default_run_dir(recipe_name: str) -> Path:

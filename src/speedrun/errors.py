@@ -1,8 +1,11 @@
 """The one exception type for mistakes a user can fix (bad path, bad value, unreachable host).
 
 The CLI prints such an error as a single line and exits with status 2; anything else is a bug
-and is reported with the path of a full traceback instead of the traceback itself.
+and is reported with the path of a full traceback instead of the traceback itself. SIGTERM is
+turned into an interruption (exit status 130), as Ctrl-C is.
 """
+import signal
+import threading
 
 
 # Exit codes of every speedrun command.
@@ -15,6 +18,20 @@ class SpeedrunError(Exception):
 
 class TrainingFailed(Exception):
     """Training cannot go on (a non-finite loss, a peer process died); the CLI exits with status 3."""
+
+
+def stop_on_sigterm():
+    """Treat SIGTERM (torchrun stopping the survivors when a rank died, a spot instance being
+    reclaimed, `kill` of a background job, which ignores SIGINT) like Ctrl-C, so results so far
+    are written. Returns a function undoing this."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"stopped by signal {signal.Signals(signum).name}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    return lambda: signal.signal(signal.SIGTERM, previous)
 
 
 def one_line(error: BaseException, limit: int = 200) -> str:
