@@ -121,6 +121,7 @@ def cmd_ablate(args: argparse.Namespace) -> int:
         remote = str(args.out or ablate.default_out(recipe).name)
         out = speedrun_home() / "ablate" / args.job / Path(remote).name
         ablate.run_on_job(job, remote, plan, say)
+        out.mkdir(parents=True, exist_ok=True)
         fetch_run_files(job, f"{job.run_dir}/{remote}", out, per_task=False, warn=say)
         (out / "plan.json").write_text(json.dumps(plan.to_dict(), indent=2) + "\n")
         live = False
