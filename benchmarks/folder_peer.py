@@ -11,15 +11,18 @@ other's final accuracy.
 The folder (made if missing): 4,000 training and 1,000 validation images of 48 x 48 px, Fashion-
 MNIST garments at random scale and position on a textured background (`speedrun data synth
 fmnist-tree DST --side 48 --train 4000 --val 1000`). fastai is installed for this benchmark only,
-in benchmarks/.venv-fastai (made on first use from PyPI; fastai 2.8.4 declares torch<2.9, and runs
-on this machine's torch with the pins below).
+in benchmarks/.venv-fastai, by a separate step that downloads it from PyPI (fastai 2.8.4 declares
+torch<2.9, and runs on this machine's torch with the pins below); the benchmark itself sends
+nothing over the network.
 
-    python benchmarks/folder_peer.py          # about 12 minutes on 2 cores
+    python benchmarks/folder_peer.py --install-fastai   # once
+    python benchmarks/folder_peer.py                    # about 10 minutes on 2 cores
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -32,14 +35,20 @@ FASTAI_PINS = ["fastai==2.8.4", "fastcore>=1.8,<1.9", "fasttransform==0.0.2", "f
 FASTAI_DEPS = ["pandas", "scipy", "scikit-learn", "matplotlib", "requests", "pyyaml", "beartype"]
 
 
+def install_fastai() -> None:
+    """Make the benchmark's fastai environment (downloads from PyPI)."""
+    python = VENV / "bin" / "python"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(VENV)], check=True)
+    # --no-deps: fastai's torch<2.9 pin would replace this machine's torch.
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", *FASTAI_PINS], check=True)
+    subprocess.run([str(python), "-m", "pip", "install", "-q", *FASTAI_DEPS], check=True)
+
+
 def fastai_python() -> Path:
-    """The Python of the benchmark's fastai environment, made on first use."""
+    """The Python of the benchmark's fastai environment."""
     python = VENV / "bin" / "python"
     if not python.exists():
-        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(VENV)], check=True)
-        # --no-deps: fastai's torch<2.9 pin would replace this machine's torch.
-        subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", *FASTAI_PINS], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", *FASTAI_DEPS], check=True)
+        sys.exit(f"no fastai environment at {VENV}: make it once with python benchmarks/folder_peer.py --install-fastai")
     return python
 
 
@@ -64,8 +73,6 @@ def run_speedrun(data: Path, out: Path) -> tuple[list[dict], dict]:
 
 
 def _env() -> dict:
-    import os
-
     return {**os.environ, "PYTHONPATH": str(HERE.parent / "src")}
 
 
@@ -84,7 +91,11 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=Path("/tmp/speedrun-bench/fmnist48-4k"))
     parser.add_argument("--fastai-epochs", type=int, default=14)
     parser.add_argument("--out", type=Path, default=HERE / "results" / "folder-peer-cpu.json")
+    parser.add_argument("--install-fastai", action="store_true", help="make benchmarks/.venv-fastai (PyPI) and stop")
     args = parser.parse_args()
+    if args.install_fastai:
+        install_fastai()
+        return
 
     sys.path.insert(0, str(HERE.parent / "src"))
     from speedrun.data import folder_summary

@@ -26,9 +26,9 @@ from typing import Any
 from speedrun.compare import RunSummary, read_run
 from speedrun.errors import EXIT_BAD_INPUT, SpeedrunError, stop_on_sigterm
 from speedrun.recipe import Recipe
+from speedrun.rundir import FINISHED, run_status
 
 FULL = "full"  # the variant with every trick on
-DONE = ("finished", "target_reached")  # a run with one of these statuses is not run again
 
 
 @dataclass(frozen=True)
@@ -120,28 +120,31 @@ class Plan:
         return {"recipe": self.recipe.to_dict(), "tricks": list(self.tricks), "seeds": self.seeds, "data": self.data,
                 "train_args": list(self.train_args)}
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Plan:
-        return cls(Recipe.from_dict(d["recipe"]), tuple(d["tricks"]), d["seeds"], d["data"], tuple(d["train_args"]))
-
     def runs(self) -> list[tuple[str, int]]:
         """(variant, seed) pairs, seed-major: with a run cut short, every variant has as many seeds."""
         return [(v, s) for s in range(self.seeds) for v in (FULL, *self.tricks)]
 
 
+def plan_files(plan: Plan) -> dict[str, str]:
+    """What an ablation directory holds besides its runs, by relative path: plan.json and one
+    recipe file per variant."""
+    files = {"plan.json": json.dumps(plan.to_dict(), indent=2) + "\n"}
+    files.update({f"{name}/recipe.py": recipe_file(r) for name, r in variants(plan.recipe, plan.tricks).items()})
+    return files
+
+
 def prepare(out: Path, plan: Plan) -> None:
-    """Write plan.json and the variants' recipe files in `out`, or check that `out` holds this very
-    plan (an interrupted ablation continues; another plan there is refused)."""
+    """Write `plan_files` in `out`, or check that `out` holds this very plan (an interrupted
+    ablation continues; another plan there is refused)."""
+    files = plan_files(plan)
     saved = out / "plan.json"
     if saved.exists():
-        if json.loads(saved.read_text()) != json.loads(json.dumps(plan.to_dict())):
+        if saved.read_text() != files["plan.json"]:
             raise SpeedrunError(f"{out} holds another ablation (plan.json differs): choose another --out")
         return
-    out.mkdir(parents=True, exist_ok=True)
-    for name, recipe in variants(plan.recipe, plan.tricks).items():
-        (out / name).mkdir(exist_ok=True)
-        (out / name / "recipe.py").write_text(recipe_file(recipe))
-    saved.write_text(json.dumps(plan.to_dict(), indent=2) + "\n")
+    for rel, text in sorted(files.items(), key=lambda f: f[0] == "plan.json"):  # plan.json last: complete
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        (out / rel).write_text(text)
 
 
 def recipe_file(recipe: Recipe) -> str:
@@ -163,7 +166,7 @@ def run_local(out: Path, plan: Plan, say: Callable[[str], None] = print) -> None
     """Every run the ablation lacks, one after another on this machine. A run that fails (a
     variant can diverge) is recorded as failed and the ablation goes on; bad input stops it, and
     Ctrl-C stops it with the interrupted run resumable."""
-    todo = [(v, s) for v, s in plan.runs() if _status(out / v / f"seed{s}") not in DONE]
+    todo = [(v, s) for v, s in plan.runs() if run_status(out / v / f"seed{s}") not in FINISHED]
     if len(todo) < len(plan.runs()):
         say(f"{len(plan.runs()) - len(todo)} of {len(plan.runs())} runs already done in {out}")
     restore_sigterm = stop_on_sigterm()  # `kill` stops the ablation as Ctrl-C does, run included
@@ -203,9 +206,8 @@ def run_on_job(job, out: str, plan: Plan, say: Callable[[str], None] = print) ->
     """Every run the ablation lacks, spread over the job's tasks (each runs its share one after
     another, all tasks at once), in `out` under the job's run directory; returns when all end."""
     remote = posixpath.join(job.run_dir, out)
-    job.write(f"{remote}/plan.json", json.dumps(plan.to_dict(), indent=2) + "\n")
-    for name, recipe in variants(plan.recipe, plan.tricks).items():
-        job.write(f"{remote}/{name}/recipe.py", recipe_file(recipe))
+    for rel, text in plan_files(plan).items():
+        job.write(f"{remote}/{rel}", text)
     shares: list[list[tuple[str, int]]] = [[] for _ in job.tasks]
     for k, run in enumerate(plan.runs()):
         shares[k % len(job.tasks)].append(run)
@@ -218,19 +220,12 @@ def run_on_job(job, out: str, plan: Plan, say: Callable[[str], None] = print) ->
         for variant, seed in share:
             d = f"{variant}/seed{seed}"
             fresh, again = (shlex.join(train_argv(plan, variant, seed, r, job.python)) for r in (False, True))
-            lines.append(f"if grep -qE '\"status\": \"({'|'.join(DONE)})\"' {d}/results.json 2>/dev/null; then :; "
+            lines.append(f"if grep -qE '\"status\": \"({'|'.join(FINISHED)})\"' {d}/results.json 2>/dev/null; then :; "
                          f"elif [ -f {d}/checkpoint.pt ]; then {again}; else {fresh}; fi")
         commands.append(task.run("\n".join(lines), background=True, name="ablate"))
         say(f"task {task.index}: {len(share)} runs")
     for command in commands:
         command.wait(check=False)
-
-
-def _status(run_dir: Path) -> str | None:
-    try:
-        return json.loads((run_dir / "results.json").read_text()).get("status")
-    except (OSError, ValueError):
-        return None
 
 
 @dataclass

@@ -108,6 +108,22 @@ def recipe_for(name_or_path: str, data: str | None, workers: int | None = None) 
     return FITTED[name_or_path](side, count).validate()
 
 
+def absolute_data(data: str | None) -> str | None:
+    """A --data path made absolute when it exists (it is recorded, and used from other
+    directories: `speedrun eval`, ablation runs); anything else as given, for the source to judge."""
+    return str(Path(data).resolve()) if data and Path(data).exists() else data
+
+
+def print_table(console: Console, rows: list[dict], title: str | None = None, boxed: bool = False) -> None:
+    """Rows of equal keys as a table, the keys as its header (lines around the cells if `boxed`)."""
+    if not rows:
+        return
+    table = Table(*rows[0].keys(), title=title, **({} if boxed else {"box": None}))
+    for row in rows:
+        table.add_row(*(str(v) for v in row.values()))
+    console.print(table)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     recipe = recipe_for(args.recipe or DEFAULT, args.data, args.workers)
     if args.epochs is not None:
@@ -130,8 +146,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = TrainConfig(
         recipe=recipe,
         out=args.out,
-        # Absolute, as recorded in the checkpoint for `speedrun eval` from another directory.
-        data=str(Path(args.data).resolve()) if args.data and Path(args.data).exists() else args.data,
+        data=absolute_data(args.data),
         device=args.device,
         resume=args.resume,
         compile=args.compile,
@@ -289,11 +304,7 @@ def cmd_recipes(args: argparse.Namespace) -> int:
         f"(none on {opt.no_decay.replace('_', ' + ')}), label smoothing {opt.label_smoothing}"
         + (f", weight EMA decay {recipe.ema_decay}" if recipe.ema_decay else "")
     )
-    rows = recipe.table()
-    table = Table(*rows[0].keys())
-    for row in rows:
-        table.add_row(*(str(v) for v in row.values()))
-    console.print(table)
+    print_table(console, recipe.table(), boxed=True)
     return 0
 
 

@@ -19,7 +19,7 @@ from typing import Any
 from speedrun import rundir
 from speedrun.errors import SpeedrunError
 
-RUN_FILES = ("results.json", "metrics.jsonl")  # what compare reads of a run
+SUMMARY_FILES = ("results.json", "metrics.jsonl")  # what compare reads of a run
 SKIPPED_FIELDS = ("name", "description")  # recipe fields that say nothing about what ran
 
 
@@ -197,7 +197,7 @@ def fetch_run_files(job, remote_root: str, local_root: Path, per_task: bool, war
     for task in job.one_per_destination(remote_root):
         base = local_root / f"task{task.index}" if per_task else local_root
         try:
-            for remote in task.find(remote_root, RUN_FILES):
+            for remote in task.find(remote_root, SUMMARY_FILES):
                 local = base / os.path.relpath(remote, task.path(remote_root))
                 local.parent.mkdir(parents=True, exist_ok=True)
                 local.write_text(task.read(remote))

@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 from rich.console import Console
-from rich.table import Table
 
+from speedrun.commands import absolute_data, print_table, recipe_for
 from speedrun.errors import SpeedrunError
 
 
@@ -49,15 +49,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_ablate)
 
 
-def print_table(console: Console, rows: list[dict], title: str | None = None) -> None:
-    if not rows:
-        return
-    table = Table(*rows[0].keys(), title=title, box=None)
-    for row in rows:
-        table.add_row(*(str(v) for v in row.values()))
-    console.print(table)
-
-
 def cmd_compare(args: argparse.Namespace) -> int:
     from speedrun.compare import collect_job, compare, find_runs, read_run
 
@@ -90,7 +81,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def cmd_ablate(args: argparse.Namespace) -> int:
     from speedrun import ablate
-    from speedrun.commands import recipe_for
     from speedrun.compare import compare, fetch_run_files
     from speedrun.recipe import Target
 
@@ -104,7 +94,7 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     recipe.validate()
     only = [t.strip() for t in args.only.split(",") if t.strip()] if args.only else None
     tricks = tuple(name for name in ablate.variants(recipe, only) if name != ablate.FULL)
-    data = str(Path(args.data).resolve()) if args.data and Path(args.data).exists() else args.data
+    data = absolute_data(args.data)
     train_args = [*(["--device", args.device] if args.device else []), *(["--workers", str(args.workers)] if args.workers else [])]
     plan = ablate.Plan(recipe, tricks, args.seeds, data, tuple(train_args))
 
@@ -120,10 +110,9 @@ def cmd_ablate(args: argparse.Namespace) -> int:
         job = open_job(args.job)
         remote = str(args.out or ablate.default_out(recipe).name)
         out = speedrun_home() / "ablate" / args.job / Path(remote).name
+        ablate.prepare(out, plan)  # the local copy, where the results come back
         ablate.run_on_job(job, remote, plan, say)
-        out.mkdir(parents=True, exist_ok=True)
         fetch_run_files(job, f"{job.run_dir}/{remote}", out, per_task=False, warn=say)
-        (out / "plan.json").write_text(json.dumps(plan.to_dict(), indent=2) + "\n")
         live = False
     else:
         out = args.out or ablate.default_out(recipe)

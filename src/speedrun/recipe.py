@@ -25,6 +25,7 @@ NO_DECAY_MODES = ("norm_bias", "bn", "none")
 # resized to size / crop_pct px, then centre-cropped to size. 1/1.14 is the 2018 record's (and
 # torchvision's 256 -> 224) convention; 1.0 shows small images whole.
 IMAGENET_CROP_PCT = 1 / 1.14
+IMAGENET_RATIO = (3 / 4, 4 / 3)  # torchvision's RandomResizedCrop aspect-ratio range (w / h)
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")  # a run's --precision (learner.choose_precision)
 
 
@@ -56,7 +57,7 @@ class Phase:
     # (torchvision's 3/4..4/3 stretches images; (1, 1) keeps their shape). `translate`: how far a
     # crop may reach past each edge, as a fraction of that side (zeros there): pad-and-crop
     # translation, 0 for none. `flip`: mirror half the images at random (not for digits or text).
-    ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    ratio: tuple[float, float] = IMAGENET_RATIO
     translate: float = 0.0
     flip: bool = True
     crop_pct: float = IMAGENET_CROP_PCT  # evaluation geometry; see IMAGENET_CROP_PCT

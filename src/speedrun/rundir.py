@@ -28,6 +28,7 @@ RESULTS = "results.json"
 # What a run writes besides its checkpoint (track.py's files and the plot).
 RUN_FILES = ("metrics.jsonl", "steps.jsonl", "tb", RESULTS, "accuracy.png")
 LOCK = ".lock"
+FINISHED = ("finished", "target_reached")  # statuses of a run that has nothing left to do
 
 
 @dataclass
@@ -91,8 +92,8 @@ def _check_contents(out: Path, resume: bool) -> str | None:
         return None
     if has_checkpoint:
         raise SpeedrunError(f"{out} already holds a run; continue it with --resume or choose another --out")
-    status = _status(out / RESULTS)
-    if status in ("finished", "target_reached"):
+    status = run_status(out)
+    if status in FINISHED:
         raise SpeedrunError(f"{out} holds a finished run (status {status}, no checkpoint); choose another --out")
     left = [name for name in RUN_FILES if (out / name).exists()]
     if not left:
@@ -119,9 +120,9 @@ def in_use(out: Path) -> bool:
         return False
 
 
-def _status(results: Path) -> str | None:
-    """The status in a results.json, or None when there is none or it cannot be read."""
+def run_status(out: Path) -> str | None:
+    """The status in `out`'s results.json, or None when there is none or it cannot be read."""
     try:
-        return json.loads(results.read_text()).get("status")
+        return json.loads((out / RESULTS).read_text()).get("status")
     except (OSError, ValueError, AttributeError):
         return None

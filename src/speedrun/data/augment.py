@@ -15,7 +15,7 @@ import torchvision.transforms.v2.functional as TF
 from torchvision.ops import roi_align
 
 from speedrun.data.base import Batch, Shard, epoch_generator, epoch_permutation, rank_indices
-from speedrun.recipe import Phase
+from speedrun.recipe import IMAGENET_RATIO, Phase
 
 
 def random_crop_boxes(
@@ -24,7 +24,7 @@ def random_crop_boxes(
     width: int,
     min_scale: float,
     generator: torch.Generator,
-    ratio: tuple[float, float] = (3 / 4, 4 / 3),
+    ratio: tuple[float, float] = IMAGENET_RATIO,
     translate: float = 0.0,
     flip: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,10 +26,10 @@ from contextlib import contextmanager
 import numpy as np
 from PIL import Image
 
+from speedrun.recipe import IMAGENET_RATIO
+
 # Bilinear with PIL's antialiasing support, as torchvision's PIL path uses.
 RESAMPLE = Image.Resampling.BILINEAR
-RATIO = (3 / 4, 4 / 3)
-
 
 
 @contextmanager
@@ -41,12 +41,13 @@ def open_image(path: str | os.PathLike) -> Iterator[Image.Image]:
         with Image.open(path) as img:
             yield img
 
+
 def crop_params(
     width: int,
     height: int,
     min_scale: float,
     rng: random.Random,
-    ratio: tuple[float, float] = RATIO,
+    ratio: tuple[float, float] = IMAGENET_RATIO,
     translate: float = 0.0,
 ) -> tuple[int, int, int, int]:
     """torchvision RandomResizedCrop.get_params: (left, top, crop_w, crop_h) in pixels.
@@ -120,7 +121,7 @@ def decode_train(
     rng: random.Random,
     draft: bool = True,
     out: np.ndarray | None = None,
-    ratio: tuple[float, float] = RATIO,
+    ratio: tuple[float, float] = IMAGENET_RATIO,
     translate: float = 0.0,
     flip: bool = True,
 ) -> np.ndarray:

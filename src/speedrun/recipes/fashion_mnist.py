@@ -11,9 +11,14 @@ PEAK_LR = 0.2  # for a batch of 128
 GEOMETRY = dict(min_scale=1.0, ratio=(1.0, 1.0), translate=2 / 28, crop_pct=1.0)
 
 
+def decay_after_warmup(peak: float, epochs: int, start: int, end: int) -> tuple[float, float]:
+    """The LR line from `peak` after one warmup epoch down to 0 at epoch `epochs`, over the
+    phase [start, end) (epochs)."""
+    return (peak * (1 - (start - 1) / (epochs - 1)), peak * (1 - (end - 1) / (epochs - 1)))
+
+
 def _decay(start: int, end: int) -> tuple[float, float]:
-    """The LR line from PEAK_LR after the warmup epoch down to 0 at the last epoch, over [start, end)."""
-    return (PEAK_LR * (1 - (start - 1) / (EPOCHS - 1)), PEAK_LR * (1 - (end - 1) / (EPOCHS - 1)))
+    return decay_after_warmup(PEAK_LR, EPOCHS, start, end)
 
 
 # Measured on 2 CPU cores (docs/measurements.md): crosses 92% test top-1 at epoch 7. Small

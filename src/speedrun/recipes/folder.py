@@ -10,6 +10,7 @@ a small folder still gets enough steps.
 import math
 
 from speedrun.recipe import OptimizerSettings, Phase, Recipe
+from speedrun.recipes.fashion_mnist import decay_after_warmup
 
 MAX_SIDE = 64  # px: larger images are trained at 64 px, where a small ResNet on a CPU stays quick
 MIN_EPOCHS = 14  # the fashion-mnist recipe's length (60,000 images)
@@ -38,7 +39,7 @@ def folder_small(image_side: int, num_train: int) -> Recipe:
     peak = PEAK_LR * batch / BATCH
 
     def decay(start: int, end: int) -> tuple[float, float]:
-        return (peak * (1 - (start - 1) / (epochs - 1)), peak * (1 - (end - 1) / (epochs - 1)))
+        return decay_after_warmup(peak, epochs, start, end)
 
     return Recipe(
         name="folder-small",
