@@ -90,13 +90,16 @@ class NetnsCluster:
     """n hosts as network namespaces with sshd; use as a context manager.
 
     After `start()`: `hosts`, `client_key` (private key that every host accepts for root) and
-    `known_hosts` (a file holding every host's key), ready for the ssh provider.
+    `known_hosts` (a file holding every host's key), ready for the ssh provider. More hosts come up
+    at given addresses of `subnet` with `add_host` (the AWS test server boots an instance's host
+    so) and go down with `remove_host`.
     """
 
-    def __init__(self, num_hosts: int, workdir: str | os.PathLike | None = None):
-        if not 1 <= num_hosts <= MAX_HOSTS:
-            raise ValueError(f"num_hosts must be 1..{MAX_HOSTS}, got {num_hosts}")
+    def __init__(self, num_hosts: int, workdir: str | os.PathLike | None = None, first_slot: int = 0):
+        if not 0 <= num_hosts <= MAX_HOSTS:
+            raise ValueError(f"num_hosts must be 0..{MAX_HOSTS}, got {num_hosts}")
         self.num_hosts = num_hosts
+        self.first_slot = first_slot
         self._own_workdir = workdir is None
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="speedrun-netns-"))
         self.hosts: list[NetnsHost] = []
@@ -141,21 +144,104 @@ class NetnsCluster:
         self.stop()
 
     def start(self) -> None:
+        """Take a slot, make the bridge and the first num_hosts hosts (their sshd accepting)."""
         reason = unavailable_reason()
         if reason:
             raise RuntimeError(reason)
         try:
             self._take_slot()
             self._remove_network()  # whatever a crashed session left in this slot
-            self._make_keys()
-            self._make_network()
+            self.workdir.mkdir(parents=True, exist_ok=True)
+            keygen(self.client_key, comment="speedrun-test-client")
+            ip("link", "add", self._bridge(), "type", "bridge")
+            ip("addr", "add", f"{self.address(-1)}/28", "dev", self._bridge())
+            ip("link", "set", self._bridge(), "up")
+            self.hosts = []
             for i in range(self.num_hosts):
-                self._start_sshd(self.hosts[i])
-            for h in self.hosts:
-                wait_for_port(h.address, h.port, timeout=20, what=f"sshd of {h.namespace}")
+                self.add_host(self.address(i))
         except BaseException:
             self.stop()
             raise
+
+    @property
+    def subnet(self) -> str:
+        """This cluster's network, e.g. 198.51.100.16/28 (the bridge holds its first address)."""
+        return f"{SUBNET_PREFIX}{16 * self.slot}/28"
+
+    def add_host(self, address: str, authorized_key: str | None = None) -> NetnsHost:
+        """Bring up a host at `address` (inside `subnet`) whose sshd admits root with
+        `authorized_key` (an OpenSSH public key line; default: client_key's); returns once its sshd
+        accepts connections."""
+        used = {h.index for h in self.hosts}
+        i = next((i for i in range(MAX_HOSTS) if i not in used), None)
+        if i is None:
+            raise RuntimeError(f"a cluster has at most {MAX_HOSTS} hosts at once")
+        d = self.workdir / f"host{i}"
+        shutil.rmtree(d, ignore_errors=True)  # a new machine: nothing of an earlier host in this place
+        home = d / "home"
+        (home / ".tmux").mkdir(parents=True, exist_ok=True)
+        keygen(d / "ssh_host_ed25519_key", comment=f"host{i}")
+        pub = (d / "ssh_host_ed25519_key.pub").read_text().split()
+        host = NetnsHost(index=i, namespace=self._namespace(i), address=address, port=22, dir=d, home=home,
+                         host_public_key=f"{pub[0]} {pub[1]}")
+        # The environment= options make this namespace feel like its own machine (see module doc).
+        env = {
+            "HOME": str(home),
+            "TMUX_TMPDIR": str(home / ".tmux"),
+            "PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"),
+            "GLOO_SOCKET_IFNAME": "eth0",
+        }
+        options = ",".join(f'environment="{k}={v}"' for k, v in env.items())
+        key = authorized_key or Path(f"{self.client_key}.pub").read_text()
+        (d / "authorized_keys").write_text(f"{options} {key.strip()}\n")
+        (d / "sshd_config").write_text(
+            "\n".join([
+                f"ListenAddress {host.address}:{host.port}",
+                f"HostKey {d / 'ssh_host_ed25519_key'}",
+                f"PidFile {d / 'sshd.pid'}",
+                f"AuthorizedKeysFile {d / 'authorized_keys'}",
+                "PermitRootLogin prohibit-password",
+                "PasswordAuthentication no",
+                "KbdInteractiveAuthentication no",
+                "UsePAM no",
+                "StrictModes no",  # the temp dir's modes are not sshd's business here
+                "PermitUserEnvironment yes",
+                "MaxSessions 64",
+                "MaxStartups 64",
+                "AllowTcpForwarding local",
+                "X11Forwarding no",
+                "LogLevel ERROR",
+                "",
+            ])
+        )
+        self.hosts.append(host)
+        self.known_hosts.write_text("".join(h.known_hosts_line() for h in self.hosts))
+        ns = host.namespace
+        ip("netns", "add", ns)
+        ip("link", "add", self._veth_root(i), "type", "veth", "peer", "name", self._veth_ns(i))
+        ip("link", "set", self._veth_root(i), "master", self._bridge())
+        ip("link", "set", self._veth_root(i), "up")
+        ip("link", "set", self._veth_ns(i), "netns", ns)
+        ip("-n", ns, "link", "set", self._veth_ns(i), "name", "eth0")
+        ip("-n", ns, "addr", "add", f"{address}/28", "dev", "eth0")
+        ip("-n", ns, "link", "set", "eth0", "up")
+        ip("-n", ns, "link", "set", "lo", "up")
+        self._start_sshd(host)
+        wait_for_port(host.address, host.port, timeout=20, what=f"sshd of {host.namespace}")
+        return host
+
+    def remove_host(self, host: NetnsHost) -> None:
+        """Take a host down as a machine goes away: its processes, namespace and link."""
+        if host.sshd is not None and host.sshd.poll() is None:
+            host.sshd.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                host.sshd.wait(timeout=10)
+        host.sshd = None
+        kill_namespace_processes(host.namespace)
+        ip("netns", "del", host.namespace, check=False)
+        if Path(f"/sys/class/net/{self._veth_root(host.index)}").exists():
+            ip("link", "del", self._veth_root(host.index), check=False)
+        self.hosts.remove(host)
 
     def stop(self) -> None:
         """Stop every process in the namespaces, delete them and the links; idempotent."""
@@ -177,7 +263,7 @@ class NetnsCluster:
     # --- steps ---
     def _take_slot(self) -> None:
         LOCK_DIR.mkdir(parents=True, exist_ok=True)
-        for slot in range(SLOTS):
+        for slot in range(self.first_slot, SLOTS):
             f = open(LOCK_DIR / f"slot-{slot}.lock", "w")
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -187,70 +273,6 @@ class NetnsCluster:
             self.slot, self._lock_file = slot, f
             return
         raise RuntimeError(f"all {SLOTS} network slots in {LOCK_DIR} are in use")
-
-    def _make_keys(self) -> None:
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        keygen(self.client_key, comment="speedrun-test-client")
-        client_pub = Path(f"{self.client_key}.pub").read_text().strip()
-        self.hosts = []
-        for i in range(self.num_hosts):
-            d = self.workdir / f"host{i}"
-            home = d / "home"
-            (home / ".tmux").mkdir(parents=True, exist_ok=True)
-            keygen(d / "ssh_host_ed25519_key", comment=f"host{i}")
-            pub = (d / "ssh_host_ed25519_key.pub").read_text().split()
-            host = NetnsHost(
-                index=i, namespace=self._namespace(i), address=self.address(i), port=22, dir=d, home=home,
-                host_public_key=f"{pub[0]} {pub[1]}",
-            )
-            # The environment= options make this namespace feel like its own machine (see module doc).
-            env = {
-                "HOME": str(home),
-                "TMUX_TMPDIR": str(home / ".tmux"),
-                "PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"),
-                "GLOO_SOCKET_IFNAME": "eth0",
-            }
-            options = ",".join(f'environment="{k}={v}"' for k, v in env.items())
-            (d / "authorized_keys").write_text(f"{options} {client_pub}\n")
-            (d / "sshd_config").write_text(
-                "\n".join([
-                    f"ListenAddress {host.address}:{host.port}",
-                    f"HostKey {d / 'ssh_host_ed25519_key'}",
-                    f"PidFile {d / 'sshd.pid'}",
-                    f"AuthorizedKeysFile {d / 'authorized_keys'}",
-                    "PermitRootLogin prohibit-password",
-                    "PasswordAuthentication no",
-                    "KbdInteractiveAuthentication no",
-                    "UsePAM no",
-                    "StrictModes no",  # the temp dir's modes are not sshd's business here
-                    "PermitUserEnvironment yes",
-                    "MaxSessions 64",
-                    "MaxStartups 64",
-                    "AllowTcpForwarding local",
-                    "X11Forwarding no",
-                    "LogLevel ERROR",
-                    "",
-                ])
-            )
-            self.hosts.append(host)
-        self.known_hosts.write_text("".join(h.known_hosts_line() for h in self.hosts))
-
-    def _make_network(self) -> None:
-        bridge = self._bridge()
-        ip("link", "add", bridge, "type", "bridge")
-        ip("addr", "add", f"{self.address(-1)}/28", "dev", bridge)
-        ip("link", "set", bridge, "up")
-        for h in self.hosts:
-            i, ns = h.index, h.namespace
-            ip("netns", "add", ns)
-            ip("link", "add", self._veth_root(i), "type", "veth", "peer", "name", self._veth_ns(i))
-            ip("link", "set", self._veth_root(i), "master", bridge)
-            ip("link", "set", self._veth_root(i), "up")
-            ip("link", "set", self._veth_ns(i), "netns", ns)
-            ip("-n", ns, "link", "set", self._veth_ns(i), "name", "eth0")
-            ip("-n", ns, "addr", "add", f"{h.address}/28", "dev", "eth0")
-            ip("-n", ns, "link", "set", "eth0", "up")
-            ip("-n", ns, "link", "set", "lo", "up")
 
     def _start_sshd(self, h: NetnsHost) -> None:
         Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege-separation directory

@@ -118,3 +118,53 @@ def ssh_job(netns, shared_dir, job_name) -> Callable:
     for job in jobs:
         job.kill()
         job.close()  # the master connections
+
+
+@pytest.fixture(scope="session")
+def aws_server():
+    """moto on 127.0.0.1 behind tests/aws_server.py, whose new instances boot as namespace hosts of a
+    cluster of their own (so its zone's subnet is that cluster's network). Fails under CI, as
+    `netns` does, where namespaces cannot be made."""
+    reason = unavailable_reason()
+    if reason:
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(f"CI must run the AWS tests, but {reason}")
+        pytest.skip(reason)
+    from aws_server import ZONES, AWSTestServer
+    # Slot 1 or later: zone i's subnet is slot i, and zone a must come before the test zone for the
+    # zone-fallback test to have a zone to fall back from.
+    cluster = NetnsCluster(0, first_slot=1)
+    cluster.start()
+    if cluster.slot >= len(ZONES):
+        cluster.stop()
+        pytest.fail(f"network slot {cluster.slot} has no zone in the test region; too many test sessions at once")
+    server = AWSTestServer(cluster)
+    server.start()
+    yield server
+    server.stop()
+    cluster.stop()
+
+
+@pytest.fixture
+def aws(aws_server, monkeypatch, tmp_path):
+    """The AWS test server, emptied (a new account, no faults), with boto3 pointed at it and no
+    AWS configuration of this machine's in the way."""
+    aws_server.reset()
+    for k, v in aws_server.environment().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "aws-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "aws-credentials"))
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    return aws_server
+
+
+@pytest.fixture
+def efs_mount(tmp_path):
+    """A directory that is a mount point (bound onto itself), standing in for where EFS is mounted:
+    the namespace hosts share this machine's filesystem, so it is storage they all see, and the
+    provider's mount step finds it mounted and leaves it."""
+    d = tmp_path / "efs"
+    d.mkdir()
+    subprocess.run(["mount", "--bind", str(d), str(d)], check=True)
+    yield str(d)
+    subprocess.run(["umount", "-l", str(d)], check=False)

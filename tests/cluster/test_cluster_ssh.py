@@ -128,6 +128,22 @@ def test_an_unknown_host_key_is_refused_unless_asked(netns, shared_dir, tmp_path
     job.close()
 
 
+def test_keys_pinned_in_the_users_own_known_hosts_file_count_as_known(netns, shared_dir, tmp_path):
+    # The user's ssh config names their own known_hosts file, which already holds the host's key;
+    # speedrun's file is empty and host keys are checked strictly: the host is known, not refused.
+    users_file = tmp_path / "users_known_hosts"
+    users_file.write_text(netns.hosts[0].known_hosts_line())
+    config = tmp_path / "ssh_config"
+    config.write_text(f"Host *\n  UserKnownHostsFile {users_file}\n")
+    speedruns_file = tmp_path / "speedrun_known_hosts"
+    job = make_job("users-known-hosts", 1, provider="ssh", hosts=[netns.specs[0]], run_root=str(shared_dir),
+                   ssh=SSHOptions(known_hosts=speedruns_file, identity_file=netns.client_key, ssh_config=config))
+    assert job[0].run("echo known").output == "known\n"
+    assert speedruns_file.read_text() == ""  # nothing had to be learned
+    job.kill()
+    job.close()
+
+
 def test_a_changed_host_key_is_refused_even_when_accepting_new_ones(netns, shared_dir, tmp_path):
     wrong = tmp_path / "known_hosts"
     h0, h1 = netns.hosts

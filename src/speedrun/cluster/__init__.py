@@ -8,18 +8,20 @@
 
 Modules, from the bottom up: hosts (Host, LocalHost) and ssh (SSHHost) run scripts and move files;
 tmux writes the scripts that run commands in tmux windows; task (Task, Command) and job (Job,
-make_job, open_job) build on them; providers hand out hosts; registry keeps job records; tensorboard
+make_job, open_job) build on them; provider says what a provider is, providers lists them (local,
+ssh, and aws: EC2 instances speedrun starts itself); registry keeps job records; tensorboard
 serves a run's events; cli is `speedrun launch | ls | attach | logs | kill | tb`; testing makes
 hosts out of network namespaces for tests and benchmarks.
 """
 from speedrun.cluster.hosts import Host, LocalHost
 from speedrun.cluster.job import Job, TaskStatus
 from speedrun.cluster.lifecycle import make_job, open_job
-from speedrun.cluster.providers import LocalProvider, Provider, SSHProvider
+from speedrun.cluster.provider import Billing, Provider
+from speedrun.cluster.providers import LocalProvider, SSHProvider
 from speedrun.cluster.ssh import SSHHost, SSHOptions
 from speedrun.cluster.task import Command, CommandFailed, Result, Task
 
 __all__ = [
-    "Command", "CommandFailed", "Host", "Job", "LocalHost", "LocalProvider", "Provider", "Result", "SSHHost",
+    "Billing", "Command", "CommandFailed", "Host", "Job", "LocalHost", "LocalProvider", "Provider", "Result", "SSHHost",
     "SSHOptions", "SSHProvider", "Task", "TaskStatus", "make_job", "open_job",
 ]

@@ -1,12 +1,14 @@
-"""`speedrun launch | ls | attach | logs | kill | tb`: the cluster API from the command line.
+"""`speedrun launch | ls | attach | logs | kill | down | tb`: the cluster API from the command line.
 
     speedrun launch demo --provider ssh --hosts gpu1,gpu2 --run-root /shared/runs \\
         -- -m speedrun train --recipe tiny --out {run_dir}
+    speedrun launch r50 --provider aws -n 2 --instance-type p5.48xlarge --spot -- -m speedrun train ...
     speedrun ls
     speedrun logs demo -f
     speedrun attach demo 1
     speedrun tb demo
     speedrun kill demo
+    speedrun down r50
 
 `launch` starts one torchrun per task with what follows `--` (`{run_dir}` there becomes the run
 directory); run again while the job runs, it reconnects instead of starting anything.
@@ -58,19 +60,36 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("name", help="job name")
     p.set_defaults(func=cmd_kill)
 
+    p = sub.add_parser("down", help="end a job for good: terminate the instances speedrun started for it "
+                                    "(or just kill its sessions on your own machines) and forget it")
+    p.add_argument("name", nargs="?", help="job name")
+    p.add_argument("--all", action="store_true",
+                   help="terminate and delete everything speedrun made in AWS (instances, EFS, VPC, key pairs)")
+    p.add_argument("--region", help="with --all: this AWS region too (default: the regions of recorded jobs and "
+                                    "the AWS configuration's)")
+    p.add_argument("--yes", action="store_true", help="with --all: do not ask for confirmation")
+    p.set_defaults(func=cmd_down)
+
     p = sub.add_parser("tb", help="start TensorBoard on task 0 and forward it here over SSH")
     p.add_argument("name", help="job name")
     p.add_argument("--port", type=int, default=None, help="local port (default: a free one)")
     p.set_defaults(func=cmd_tb)
 
 
+# AWSConfig's fields that launch takes as options (default None: AWSConfig's own default).
+AWS_OPTIONS = ("instance_type", "image", "spot", "on_demand_fallback", "placement_group", "shared_storage", "region",
+               "zone", "disk_gb", "ssh_user", "ssh_cidr", "private_ips", "vpc_cidr", "data_snapshot", "data_s3",
+               "data_mount", "instance_profile", "autostop")
+
+
 def add_launch_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--provider", choices=["local", "ssh"], default=None,
+    p.add_argument("--provider", choices=["local", "ssh", "aws"], default=None,
                    help="where tasks run (default: ssh when --hosts is given, else local)")
     p.add_argument("--hosts", default="", help="comma-separated user@host[:port] for the ssh provider")
     p.add_argument("-n", "--tasks", type=int, default=None, help="number of tasks (default: one per host, or 1)")
     p.add_argument("--nproc-per-node", type=int, default=1, help="processes per task (default 1)")
-    p.add_argument("--run-root", default="runs", help="where run directories go; shared storage for several hosts")
+    p.add_argument("--run-root", default=None,
+                   help="where run directories go; shared storage for several hosts (default: EFS for aws, else runs)")
     p.add_argument("--run-name", default="run", help="run directories are <run-root>/<job>/<run-name>.<NN>")
     p.add_argument("--setup", type=Path, help="a shell script to run once per host (again when it changes)")
     p.add_argument("--sync", type=Path, help="a local directory (your working tree) to copy to each host")
@@ -87,6 +106,29 @@ def add_launch_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ssh-config", type=Path, help="ssh config file instead of ~/.ssh/config")
     g.add_argument("--accept-new-host-keys", action="store_true",
                    help="trust and pin the key of a host seen for the first time (host keys are checked strictly)")
+    g = p.add_argument_group("aws (instances speedrun starts; see docs/aws.md)")
+    g.add_argument("--instance-type", help="EC2 instance type (default p5.48xlarge)")
+    g.add_argument("--image", help="AMI id, or a name pattern with * (default: the Deep Learning AMI, PyTorch, Ubuntu)")
+    g.add_argument("--spot", action="store_true", default=None, help="spot instances instead of on-demand")
+    g.add_argument("--on-demand-fallback", action="store_true", default=None,
+                   help="with --spot: use on-demand when no zone has spot capacity")
+    g.add_argument("--no-placement-group", dest="placement_group", action="store_false", default=None,
+                   help="do not launch into a cluster placement group")
+    g.add_argument("--no-shared-storage", dest="shared_storage", action="store_false", default=None,
+                   help="no EFS file system (run directories then stay on each host)")
+    g.add_argument("--region", help="AWS region (default: the AWS configuration's, else us-east-1)")
+    g.add_argument("--zone", help="launch in this zone only (default: the region's zones in turn)")
+    g.add_argument("--disk-gb", type=int, help="root volume size, GiB (default 500)")
+    g.add_argument("--ssh-user", help="the image's login user (default ubuntu)")
+    g.add_argument("--ssh-cidr", help="addresses allowed to SSH in (default: this machine's public address)")
+    g.add_argument("--private-ips", action="store_true", default=None,
+                   help="reach hosts at their private addresses (launching from inside the VPC)")
+    g.add_argument("--vpc-cidr", help="address range of the VPC speedrun makes (default 10.210.0.0/16)")
+    g.add_argument("--data-snapshot", help="EBS snapshot id: a volume made from it is mounted read-only on each host")
+    g.add_argument("--data-s3", help="s3:// prefix synced to the data mount on each host")
+    g.add_argument("--data-mount", help="where the data lands on each host (default /mnt/data)")
+    g.add_argument("--instance-profile", help="IAM instance profile for the instances (e.g. to read --data-s3)")
+    g.add_argument("--autostop", type=float, help="stop a host after this many idle minutes (spot: terminate)")
 
 
 def show_progress() -> None:
@@ -138,9 +180,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
         setup = args.setup.read_text()
     ssh = SSHOptions(known_hosts=args.known_hosts, identity_file=args.identity, ssh_config=args.ssh_config,
                      accept_new_host_keys=args.accept_new_host_keys) if provider == "ssh" else None
+    options = {k: v for k in AWS_OPTIONS if (v := vars(args)[k]) is not None}
     job = make_job(args.name, num_tasks, provider=provider, hosts=hosts, run_root=args.run_root,
                    run_name=args.run_name, setup=setup, sync=args.sync, restart=args.restart, python=args.python,
-                   ssh=ssh)
+                   ssh=ssh, **options)
     argv = [a.replace("{run_dir}", job.run_dir) for a in argv]
     already = job.reconnected
     commands = job.launch(argv, nproc_per_node=args.nproc_per_node, name=args.window, env=env)
@@ -177,14 +220,27 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print("no jobs (start one with `speedrun launch`)")
         return 0
     rows = [("JOB", "TASK", "HOST", "STATE", "UPTIME", "RUN DIR")]
+    money = [("JOB", "MACHINES", "MARKET", "RUNNING", "UPTIME", "PRICE", "COST SO FAR", "PRICES FROM")]
     for rec in records:
         job = open_job(rec.name, probe=False)
         for st in job.status(args.window):
             rows.append((rec.name, str(st.index), st.host, st.state, format_uptime(st.uptime_s), rec.run_dir))
+        b = job.provider.billing()
+        if b is not None:
+            money.append((rec.name, b.instance_type, b.market, str(b.count), format_uptime(b.uptime_s),
+                          "?" if b.price_per_hour is None else f"${b.price_per_hour:,.2f}/h",
+                          "?" if b.cost is None else f"${b.cost:,.2f}", b.price_source))
+    print_rows(rows)
+    if len(money) > 1:
+        print()
+        print_rows(money)
+    return 0
+
+
+def print_rows(rows: list[tuple[str, ...]]) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
-    return 0
 
 
 def cmd_attach(args: argparse.Namespace) -> int:
@@ -212,6 +268,56 @@ def cmd_kill(args: argparse.Namespace) -> int:
     job = open_job(args.name, probe=False)
     job.kill()
     print(f"killed job {job.name} ({len(job)} task(s)); its logs stay in {job.run_dir}")
+    return 0
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    from speedrun.cluster import registry
+    from speedrun.cluster.lifecycle import open_job
+
+    show_progress()
+    if args.all:
+        if args.name:
+            raise SpeedrunError("give a job name or --all, not both")
+        return down_all(args.region, args.yes)
+    if not args.name:
+        raise SpeedrunError("which job? speedrun down NAME (or --all)")
+    job = open_job(args.name, probe=False)
+    released = job.provider.down()
+    if not released:
+        job.kill()  # machines that are not speedrun's stay; the job's sessions on them end
+    registry.forget(job.name)
+    print(f"job {job.name} is down: " + (f"terminated {', '.join(released)}" if released else "sessions killed") +
+          f"; its run directory was {job.run_dir}")
+    return 0
+
+
+def down_all(region: str | None, yes: bool) -> int:
+    """Terminate and delete everything speedrun made in AWS, in the regions of recorded AWS jobs
+    and `region` (or the AWS configuration's), after confirmation."""
+    from speedrun.cluster import aws, registry
+
+    records = [r for r in registry.load_all() if r.provider.get("kind") == "aws"]
+    regions = {r.provider["config"]["region"] for r in records} | {aws.Session(region).region}
+    found = [aws.find_everything(r) for r in sorted(regions)]
+    lines = [line for f in found for line in f.describe()]
+    if lines:
+        print("this terminates and deletes, for good:")
+        for line in lines:
+            print(f"  {line}")
+        if not yes:
+            try:
+                answer = input("type yes to go on: ")
+            except EOFError:
+                answer = ""
+            if answer.strip() != "yes":
+                print("nothing was removed")
+                return EXIT_FAILED
+        for f in found:
+            aws.remove_everything(f)
+    for r in records:
+        registry.forget(r.name)
+    print(f"speedrun has nothing left in AWS ({', '.join(sorted(regions))})")
     return 0
 
 

@@ -121,6 +121,29 @@ class LocalHost(Host):
         return list(argv)
 
 
+class AbsentHost(Host):
+    """A machine that is not there now (a stopped or terminated instance): every operation raises
+    SpeedrunError(`why`), which `speedrun ls` shows as unreachable."""
+
+    def __init__(self, name: str, why: str):
+        self.name, self.why = name, why
+
+    def shell(self, script: str, *, timeout: float | None = None) -> ShellResult:
+        raise SpeedrunError(self.why)
+
+    def start_shell(self, script: str) -> subprocess.Popen:
+        raise SpeedrunError(self.why)
+
+    def put(self, local: Path, remote: str, *, exclude: Sequence[str] = (), mirror: bool = False) -> None:
+        raise SpeedrunError(self.why)
+
+    def get(self, remote: str, local: Path) -> None:
+        raise SpeedrunError(self.why)
+
+    def interactive_argv(self, argv: Sequence[str]) -> list[str]:
+        raise SpeedrunError(self.why)
+
+
 def copy_path(src: Path, dst: Path, *, exclude: Sequence[str] = (), mirror: bool = False) -> None:
     """Copy a file or directory tree from src to dst on this machine (see Host.put)."""
     if not src.exists():

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence, TextIO, TypeVar
 
 from speedrun.cluster import tmux
-from speedrun.cluster.providers import Provider
+from speedrun.cluster.provider import Provider
 from speedrun.cluster.tensorboard import TensorBoard, start_tensorboard
 from speedrun.cluster.task import Command, CommandFailed, Result, Task, check_name, tmux_message
 from speedrun.errors import SpeedrunError

@@ -20,12 +20,13 @@ import posixpath
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from speedrun.cluster import registry, tmux
 from speedrun.cluster.hosts import Host
 from speedrun.cluster.job import DEFAULT_SYNC_EXCLUDE, Job, parallel
-from speedrun.cluster.providers import Provider, make_provider, provider_from_record
+from speedrun.cluster.provider import Provider
+from speedrun.cluster.providers import make_provider, provider_from_record
 from speedrun.cluster.ssh import SSHOptions
 from speedrun.cluster.task import CommandFailed, Task, check_name, tmux_message
 from speedrun.errors import SpeedrunError
@@ -78,16 +79,18 @@ def resolve(path: str, home: str, local: bool) -> str:
     return str(Path(path).resolve()) if local else posixpath.normpath(posixpath.join(home, path))
 
 def make_job(name: str, num_tasks: int = 1, *, provider: str | Provider = "local", hosts: Sequence[str] = (),
-             run_root: str = "runs", run_name: str = "run", setup: str | None = None,
+             run_root: str | None = None, run_name: str = "run", setup: str | None = None,
              sync: str | os.PathLike | None = None, sync_exclude: Sequence[str] = DEFAULT_SYNC_EXCLUDE,
              restart: bool = False, python: str = "python3", host_dir: str = "~/.speedrun",
              tmux_socket: str = "speedrun", ssh: SSHOptions | None = None,
-             config_dir: str | os.PathLike | None = None) -> Job:
+             config_dir: str | os.PathLike | None = None, **options: Any) -> Job:
     """Get num_tasks hosts and a run directory for job `name`, or reconnect to it if it is running.
 
-    provider: "local" (this machine) or "ssh" (then `hosts`: ["user@host:port", ...]), or a Provider.
+    provider: "local" (this machine), "ssh" (then `hosts`: ["user@host:port", ...]), "aws" (instances
+        speedrun starts; `options` are AWSConfig's: instance_type, spot, region, ...), or a Provider.
     run_root: where run directories go, `<run_root>/<name>/<run_name>.<NN>`; for several hosts, a path
         they all see (NFS, EFS...). Relative: from the current directory (local) or the home (ssh).
+        None: the provider's shared storage (aws: <efs_mount>/runs), else "runs".
     setup: a shell script run once per host before anything else, again whenever its text changes.
     sync: a local directory (your working tree) copied to `<host_dir>/code/<name>` on each host at every
         new run, without `sync_exclude`; commands then run there.
@@ -108,8 +111,9 @@ def make_job(name: str, num_tasks: int = 1, *, provider: str | Provider = "local
         raise SpeedrunError(f"host_dir must be absolute or start with ~/, got {host_dir!r}")
     if sync is not None and not Path(sync).is_dir():
         raise SpeedrunError(f"sync directory {sync} does not exist")
-    prov = make_provider(provider, hosts, ssh, config_dir)
+    prov = make_provider(provider, name, hosts, ssh, config_dir, options)
     hosts_ = prov.hosts(num_tasks)
+    run_root = run_root or prov.run_root or "runs"
     sessions = [f"{name}-{i}" for i in range(num_tasks)]
     setup_mark = f"{host_dir.rstrip('/')}/setup/{name}.sha256"
     probes = parallel(lambda i: probe_task(hosts_[i], tmux_socket, sessions[i], i, setup_mark), range(num_tasks))

@@ -1,55 +1,22 @@
-"""Providers hand out the hosts a job's tasks run on.
-
-A provider is small on purpose: `hosts(n)` returns n Hosts (the same Host may come back several
-times: several tasks on one machine), and `record()` / `from_record()` turn it into JSON and back
-so that `speedrun ls | logs | attach | kill | tb` can find a job's machines later. Each kind is
-one class, listed once in `PROVIDERS`.
+"""The kinds of provider (see provider.py for what a provider is), listed once in `PROVIDERS`.
 
     local  this machine, every task a tmux session of its own
     ssh    given machines, `user@host[:port]`, one task per machine, through the OpenSSH client
-
-A cloud provider (AWS is planned) starts instances and returns SSHHosts for them.
+    aws    EC2 instances speedrun starts itself (aws.py), reached as SSH hosts
 """
 from __future__ import annotations
 
 import dataclasses
 import os
-from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from speedrun.cluster import registry
+from speedrun.cluster.aws import AWSProvider
 from speedrun.cluster.hosts import Host, LocalHost
+from speedrun.cluster.provider import Provider
 from speedrun.cluster.ssh import HostSpec, SSHHost, SSHOptions
 from speedrun.errors import SpeedrunError
-
-
-class Provider(ABC):
-    """Hands out hosts. Each kind is one class in `PROVIDERS`, made from make_job's arguments
-    (`from_args`) or from the record saved with a job (`from_record`)."""
-
-    kind: str
-
-    @classmethod
-    @abstractmethod
-    def from_args(cls, hosts: Sequence[str], ssh: SSHOptions | None, config_dir: str | os.PathLike | None) -> Provider:
-        """The provider for make_job's `hosts` and `ssh` options; SpeedrunError for ones that do not apply."""
-
-    @classmethod
-    @abstractmethod
-    def from_record(cls, record: dict[str, Any]) -> Provider:
-        """The provider `record()` describes (host keys are checked strictly: first contact is over)."""
-
-    @abstractmethod
-    def hosts(self, count: int) -> list[Host]:
-        """Hosts for `count` tasks, task i on the i-th."""
-
-    @abstractmethod
-    def record(self) -> dict[str, Any]:
-        """What from_record needs to make this provider again (JSON-able, no secrets), with "kind"."""
-
-    def close(self) -> None:
-        """Release connections."""
 
 
 class LocalProvider(Provider):
@@ -61,7 +28,9 @@ class LocalProvider(Provider):
         self._host = LocalHost()
 
     @classmethod
-    def from_args(cls, hosts: Sequence[str], ssh: SSHOptions | None, config_dir: str | os.PathLike | None) -> LocalProvider:
+    def from_args(cls, job: str, hosts: Sequence[str], ssh: SSHOptions | None,
+                  config_dir: str | os.PathLike | None, options: Mapping[str, Any]) -> LocalProvider:
+        check_no_options(cls.kind, options)
         if hosts:
             raise SpeedrunError("hosts were given for the local provider: use provider='ssh' (--provider ssh)")
         if ssh is not None:
@@ -94,9 +63,11 @@ class SSHProvider(Provider):
         self._hosts = [SSHHost(s, options) for s in specs]
 
     @classmethod
-    def from_args(cls, hosts: Sequence[str], ssh: SSHOptions | None, config_dir: str | os.PathLike | None) -> SSHProvider:
+    def from_args(cls, job: str, hosts: Sequence[str], ssh: SSHOptions | None,
+                  config_dir: str | os.PathLike | None, options: Mapping[str, Any]) -> SSHProvider:
         """`ssh` with its paths made absolute and checked; pinned keys in speedrun's own
         known_hosts file under `config_dir` unless it names one."""
+        check_no_options(cls.kind, options)
         ssh = ssh or SSHOptions()
         if ssh.identity_file is not None and not Path(ssh.identity_file).expanduser().is_file():
             raise SpeedrunError(f"identity file {ssh.identity_file} does not exist")
@@ -132,22 +103,30 @@ class SSHProvider(Provider):
             h.close()
 
 
+def check_no_options(kind: str, options: Mapping[str, Any]) -> None:
+    """SpeedrunError naming options given for a provider that takes none (e.g. instance_type for ssh)."""
+    if options:
+        raise SpeedrunError(f"{', '.join(sorted(options))} do(es) not apply to the {kind} provider "
+                            f"(they are options of provider='aws', --provider aws)")
+
+
 def _absolute(path: str | os.PathLike | None) -> Path | None:
     return Path(path).expanduser().resolve() if path else None
 
 
 # kind -> Provider class: the one place a new provider is added.
-PROVIDERS: dict[str, type[Provider]] = {p.kind: p for p in (LocalProvider, SSHProvider)}
+PROVIDERS: dict[str, type[Provider]] = {p.kind: p for p in (LocalProvider, SSHProvider, AWSProvider)}
 
 
-def make_provider(provider: str | Provider, hosts: Sequence[str] = (), ssh: SSHOptions | None = None,
-                  config_dir: str | os.PathLike | None = None) -> Provider:
+def make_provider(provider: str | Provider, job: str, hosts: Sequence[str] = (), ssh: SSHOptions | None = None,
+                  config_dir: str | os.PathLike | None = None, options: Mapping[str, Any] | None = None) -> Provider:
     """A Provider from make_job's arguments (a Provider given as such is used as it is)."""
     if isinstance(provider, Provider):
+        check_no_options("given", options or {})
         return provider
     if provider not in PROVIDERS:
         raise SpeedrunError(f"unknown provider {provider!r}: use one of {', '.join(PROVIDERS)}")
-    return PROVIDERS[provider].from_args(hosts, ssh, config_dir)
+    return PROVIDERS[provider].from_args(job, hosts, ssh, config_dir, options or {})
 
 
 def provider_from_record(record: dict[str, Any]) -> Provider:

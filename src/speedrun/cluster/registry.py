@@ -3,6 +3,7 @@
     $SPEEDRUN_HOME (default ~/.config/speedrun)/
         known_hosts        host keys learned with --accept-new-host-keys
         jobs/<job>.json    how to find a job's hosts and run directory again (JobRecord)
+        keys/aws-<region>  the private key of speedrun's EC2 key pair in that region (mode 0600)
 
 The records let `speedrun ls | logs | attach | kill | tb JOB` work from another shell, later.
 They hold no secrets: paths to keys, never keys.
@@ -57,6 +58,11 @@ def save(record: JobRecord, config_dir: str | os.PathLike | None = None) -> Path
 def exists(name: str, config_dir: str | os.PathLike | None = None) -> bool:
     """Whether a job named `name` was recorded here."""
     return (speedrun_home(config_dir) / "jobs" / f"{name}.json").is_file()
+
+
+def forget(name: str, config_dir: str | os.PathLike | None = None) -> None:
+    """Remove job `name`'s record (its machines are gone)."""
+    (speedrun_home(config_dir) / "jobs" / f"{name}.json").unlink(missing_ok=True)
 
 
 def load(name: str, config_dir: str | os.PathLike | None = None) -> JobRecord:

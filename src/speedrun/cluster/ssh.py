@@ -7,8 +7,8 @@ everything else users already set up keep working. Around it speedrun adds:
   every later command rides on it, so a command costs a few milliseconds instead of a handshake.
 * Strict host-key checking, always. A host whose key is unknown is refused, unless the user asked
   to learn keys on first contact (`accept_new_host_keys`); learned keys are pinned in speedrun's own
-  known_hosts file. Keys the user already trusts in ~/.ssh/known_hosts are honoured too. A changed
-  key is refused in every mode.
+  known_hosts file. Keys the user already trusts (~/.ssh/known_hosts, or the UserKnownHostsFile
+  their ssh config names) are honoured too. A changed key is refused in every mode.
 * Clear errors: ssh's failures (refused, unreachable, unknown or changed host key, no permission)
   become one-line SpeedrunErrors saying what to do.
 * rsync over the same connection for files when both ends have it, tar through ssh otherwise.
@@ -113,6 +113,7 @@ class SSHHost(Host):
         self.control_path = control_dir() / hashlib.sha256(identity.encode()).hexdigest()[:24]
         self._lock = threading.Lock()  # one master connection per host, even when tasks run in threads
         self._rsync: bool | None = None
+        self._user_known_hosts: list[Path] | None = None
         self._checked = False  # whether this process has seen the master connection answer
 
     # --- command lines ---
@@ -122,8 +123,8 @@ class SSHHost(Host):
         o = self.options
         o.known_hosts.parent.mkdir(parents=True, exist_ok=True)
         o.known_hosts.touch(exist_ok=True)
-        # New keys are written to the first file; the user's own file is only read.
-        known = " ".join(f'"{p}"' for p in (o.known_hosts, Path("~/.ssh/known_hosts").expanduser()))
+        # New keys are written to the first file; the user's own files are only read.
+        known = " ".join(f'"{p}"' for p in (o.known_hosts, *self.user_known_hosts()))
         args = [] if o.ssh_config is None else ["-F", str(o.ssh_config)]
         args += [
             "-o", "BatchMode=yes",  # never prompt: a question nobody sees would hang a job
@@ -142,6 +143,20 @@ class SSHHost(Host):
         if self.spec.port is not None:
             args += ["-p", str(self.spec.port)]
         return args
+
+    def user_known_hosts(self) -> list[Path]:
+        """The known_hosts files the user's own ssh would read for this host (UserKnownHostsFile in
+        their ssh config, else ~/.ssh/known_hosts and known_hosts2), as `ssh -G` reports them:
+        keys a user pinned long ago count as known here too. Asked once per host."""
+        if self._user_known_hosts is None:
+            argv = ["ssh", *([] if self.options.ssh_config is None else ["-F", str(self.options.ssh_config)]),
+                    *([] if self.spec.port is None else ["-p", str(self.spec.port)]), "-G", self.spec.destination]
+            r = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=30)
+            files = [line.split()[1:] for line in r.stdout.splitlines() if line.startswith("userknownhostsfile ")]
+            found = [Path(f).expanduser() for f in (files[0] if files else [])]
+            self._user_known_hosts = [f for f in found if f != self.options.known_hosts] or \
+                [Path("~/.ssh/known_hosts").expanduser()]
+        return self._user_known_hosts
 
     def ssh_argv(self, *extra: str) -> list[str]:
         """`ssh` riding on the master connection, ending with the destination; append a remote command."""

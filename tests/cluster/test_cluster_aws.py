@@ -1,0 +1,261 @@
+"""The AWS provider end to end against moto on 127.0.0.1 (tests/aws_server.py).
+
+What runs for real: boto3 over HTTP, speedrun's resource and launch logic, ssh-keygen, OpenSSH to
+namespace hosts at the private addresses moto handed out, tmux, torchrun and training. What is
+emulated: the AWS API (moto), with the placement-group calls and injected error codes added by
+the test server.
+"""
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import time
+
+import pytest
+
+from speedrun.cli import main
+from speedrun.cluster import make_job, open_job
+from speedrun.cluster import aws as aws_provider
+from speedrun.cluster import registry
+from speedrun.errors import SpeedrunError
+
+from test_cluster_e2e import ONE_THREAD, TRAIN, check_trained
+
+pytestmark = pytest.mark.netns
+
+IMAGE = "ubuntu/images/hvm-ssd/ubuntu-*"  # one of moto's images
+
+
+def options(aws, **extra):
+    """make_job options that put instances where the test server boots them and reach them there."""
+    return {**dict(provider="aws", instance_type="c5.large", image=IMAGE, zone=aws.zone, vpc_cidr=aws.VPC_CIDR,
+                   private_ips=True, ssh_user="root", shared_storage=False), **extra}
+
+
+def job_instances(aws, job: str) -> list[dict]:
+    r = aws.client().describe_instances(Filters=[{"Name": "tag:speedrun:job", "Values": [job]}])
+    return [i for res in r["Reservations"] for i in res["Instances"]]
+
+
+def live(instances: list[dict]) -> list[dict]:
+    return [i for i in instances if i["State"]["Name"] not in ("shutting-down", "terminated")]
+
+
+@pytest.mark.slow
+def test_two_instances_train_end_to_end_and_go_down(aws, efs_mount, job_name):
+    job = make_job(job_name, 2, **options(aws, shared_storage=True, efs_mount=efs_mount))
+    instances = sorted(live(job_instances(aws, job_name)), key=lambda i: int(aws_provider.tag_value(i, "speedrun:task")))
+    # Two instances launched into the job's placement group, reached at the addresses moto gave them.
+    assert len(instances) == 2 and [t.ip for t in job] == [i["PrivateIpAddress"] for i in instances]
+    assert [aws.placement_of[i["InstanceId"]] for i in instances] == [f"speedrun-{job_name}"] * 2
+    assert job.run_dir.startswith(f"{efs_mount}/runs/{job_name}/")  # EFS is the run root
+    key = aws_provider.key_path("us-east-1", None)
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600 and stat.S_IMODE(key.parent.stat().st_mode) == 0o700
+
+    job.launch([*TRAIN, "--out", job.run_dir], env=ONE_THREAD)
+    again = make_job(job_name, 2, **options(aws, shared_storage=True, efs_mount=efs_mount))  # the script run again
+    assert again.reconnected and again.run_dir == job.run_dir
+    assert aws.calls.count("RunInstances") == 1  # found by name, nothing launched
+    results = job.wait(timeout=600)
+    assert [r.status for r in results] == [0, 0]
+    check_trained(job.run_dir, 2)
+
+    assert main(["down", job_name]) == 0
+    assert live(job_instances(aws, job_name)) == []
+    assert not registry.exists(job_name)
+    assert aws.client().describe_placement_groups()["PlacementGroups"] == []
+    assert aws.booted == {}  # the machines are gone
+
+
+def test_resources_are_made_once_reused_and_never_open_to_the_world(aws, job_name):
+    first = make_job(f"{job_name}-a", 1, **options(aws, ssh_cidr="203.0.113.7/32"))
+    second = make_job(f"{job_name}-b", 1, **options(aws, ssh_cidr="203.0.113.7/32"))
+    ec2 = aws.client()
+    managed = [{"Name": "tag:speedrun:managed", "Values": ["true"]}]
+    assert len(ec2.describe_vpcs(Filters=managed)["Vpcs"]) == 1
+    assert len(ec2.describe_subnets(Filters=managed)["Subnets"]) == 1  # one per zone used
+    assert len(ec2.describe_key_pairs(Filters=managed)["KeyPairs"]) == 1
+    groups = ec2.describe_security_groups(Filters=[{"Name": "group-name", "Values": ["speedrun"]}])["SecurityGroups"]
+    assert len(groups) == 1
+    rules = groups[0]["IpPermissions"]
+    cidrs = [r["CidrIp"] for rule in rules for r in rule.get("IpRanges", [])]
+    assert cidrs == ["203.0.113.7/32"]  # SSH from the caller only
+    assert [(r["IpProtocol"], r.get("FromPort")) for r in rules if r.get("IpRanges")] == [("tcp", 22)]
+    assert all(p["GroupId"] == groups[0]["GroupId"] for r in rules for p in r.get("UserIdGroupPairs", []))
+    assert first[0].run("echo a").output == "a\n" and second[0].run("echo b").output == "b\n"
+    for name in (f"{job_name}-a", f"{job_name}-b"):
+        assert main(["down", name]) == 0
+
+    with pytest.raises(SpeedrunError, match="whole internet"):
+        make_job(f"{job_name}-c", 1, **options(aws, ssh_cidr="0.0.0.0/0"))
+
+
+def test_a_stopped_instance_is_started_again_by_name(aws, job_name):
+    job = make_job(job_name, 1, **options(aws))
+    (inst,) = live(job_instances(aws, job_name))
+    ec2 = aws.client()
+    ec2.stop_instances(InstanceIds=[inst["InstanceId"]])
+    assert open_job(job_name).status()[0].state == "unreachable"
+    job = make_job(job_name, 1, **options(aws))
+    assert aws.calls.count("RunInstances") == 1 and aws.calls.count("StartInstances") == 1
+    assert job[0].run("echo back").output == "back\n"
+    main(["down", job_name])
+
+
+def test_a_zone_without_capacity_is_skipped(aws, job_name, caplog):
+    for zone in ("us-east-1a", "us-east-1b", "us-east-1c"):
+        if zone != aws.zone:
+            aws.fail("RunInstances", "InsufficientInstanceCapacity", zone=zone)
+    opts = options(aws)
+    opts.pop("zone")
+    # Zones are tried in name order, so the test server's zone must come after a failing one.
+    assert aws.zone != "us-east-1a"
+    job = make_job(job_name, 1, **opts)
+    assert job[0].run("echo ok").output == "ok\n"
+    (inst,) = live(job_instances(aws, job_name))
+    assert inst["Placement"]["AvailabilityZone"] == aws.zone
+    main(["down", job_name])
+
+
+def test_no_capacity_anywhere_names_the_zones_tried(aws, job_name):
+    aws.fail("RunInstances", "InsufficientInstanceCapacity")
+    opts = options(aws)
+    opts.pop("zone")
+    with pytest.raises(SpeedrunError) as e:
+        make_job(job_name, 2, **opts)
+    msg = str(e.value)
+    assert "no capacity for 2 x c5.large" in msg and "us-east-1a, us-east-1b" in msg and "us-east-1f" in msg
+    assert "\n" not in msg
+
+
+def test_spot_without_capacity_is_an_error_unless_on_demand_is_allowed(aws, job_name):
+    aws.fail("RunInstances", "InsufficientInstanceCapacity", market="spot")
+    with pytest.raises(SpeedrunError, match=r"no spot capacity for 1 x c5.large .*tried us-east-1.\).*on_demand_fallback"):
+        make_job(job_name, 1, **options(aws, spot=True))
+    assert live(job_instances(aws, job_name)) == []
+    job = make_job(job_name, 1, **options(aws, spot=True, on_demand_fallback=True))
+    (inst,) = live(job_instances(aws, job_name))
+    assert inst.get("InstanceLifecycle") != "spot"  # on-demand, as allowed
+    assert job[0].run("echo ok").output == "ok\n"
+    main(["down", job_name])
+
+
+@pytest.mark.parametrize("spot,code,quota", [
+    (False, "VcpuLimitExceeded", "'Running On-Demand P instances' (L-417A185B)"),
+    (True, "MaxSpotInstanceCountExceeded", "'All P Spot Instance Requests' (L-7212CCBC)"),
+])
+def test_a_quota_too_small_names_the_quota_and_the_vcpus(aws, job_name, spot, code, quota):
+    aws.fail("RunInstances", code)
+    with pytest.raises(SpeedrunError) as e:
+        make_job(job_name, 2, **options(aws, instance_type="p5.48xlarge", spot=spot))
+    assert quota in str(e.value) and "2 x p5.48xlarge = 384 vCPUs" in str(e.value)
+
+
+def test_no_credentials_is_one_line(aws, monkeypatch, capsys):
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    code = main(["launch", "no-creds", "--provider", "aws", "--zone", aws.zone, "--", "-c", "pass"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("speedrun: error: no AWS credentials found") and "\n" not in err
+
+
+def test_a_launch_failing_after_instances_started_terminates_them(aws, job_name):
+    # A login the image does not have: the instances start, SSH never lets speedrun in.
+    with pytest.raises(SpeedrunError) as e:
+        make_job(job_name, 2, **options(aws, ssh_user="nobody-here", boot_timeout=1))
+    ids = sorted(i["InstanceId"] for i in job_instances(aws, job_name))
+    assert len(ids) == 2 and live(job_instances(aws, job_name)) == []
+    msg = str(e.value)
+    assert "terminated the 2 instance(s) it launched" in msg and all(i in msg for i in ids)
+
+
+def test_ls_shows_what_a_job_costs_and_down_all_removes_everything_speedrun_made(aws, job_name, capsys):
+    make_job(job_name, 2, **options(aws))
+    ec2 = aws.client()
+    foreign = ec2.create_vpc(CidrBlock="192.0.2.0/24")["Vpc"]["VpcId"]  # not speedrun's: must survive
+    capsys.readouterr()
+    assert main(["ls"]) == 0
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if ln.startswith(job_name) and "c5.large" in ln)
+    # 2 on-demand c5.large at $0.085/h each, from the dated table shipped with speedrun.
+    assert "on-demand" in line and " 2 " in line and "$0.17/h" in line and "$0.00" in line
+
+    assert main(["down", "--all", "--yes"]) == 0
+    assert live(job_instances(aws, job_name)) == []
+    managed = [{"Name": "tag:speedrun:managed", "Values": ["true"]}]
+    assert ec2.describe_vpcs(Filters=managed)["Vpcs"] == []
+    assert ec2.describe_key_pairs(Filters=managed)["KeyPairs"] == []
+    assert [v["VpcId"] for v in ec2.describe_vpcs(VpcIds=[foreign])["Vpcs"]] == [foreign]
+    assert not registry.exists(job_name)
+
+
+def test_the_efs_mount_command_fits_the_hosts_os():
+    ubuntu = aws_provider.efs_mount_script("ubuntu debian", "10.0.0.5", "/mnt/efs")
+    assert "apt-get install -y -q nfs-common" in ubuntu
+    assert "mount -t nfs4 -o nfsvers=4.1,rsize=1048576,wsize=1048576,hard,timeo=600,retrans=2,noresvport " \
+           "10.0.0.5:/ /mnt/efs" in ubuntu
+    amazon = aws_provider.efs_mount_script("amzn rhel fedora", "10.0.0.5", "/mnt/efs")
+    assert "yum install -y -q nfs-utils" in amazon and "10.0.0.5:/ /mnt/efs" in amazon
+    with pytest.raises(SpeedrunError, match="Ubuntu or Amazon Linux"):
+        aws_provider.efs_mount_script("alpine", "10.0.0.5", "/mnt/efs")
+
+
+def test_data_comes_from_a_snapshot_and_the_root_disk_has_the_size_asked(aws, job_name, tmp_path):
+    ec2 = aws.client()
+    volume = ec2.create_volume(AvailabilityZone=aws.zone, Size=20)["VolumeId"]
+    snapshot = ec2.create_snapshot(VolumeId=volume)["SnapshotId"]
+    data = tmp_path / "data"  # already a mount point here (see efs_mount): the mount step leaves it
+    data.mkdir()
+    subprocess.run(["mount", "--bind", str(data), str(data)], check=True)
+    try:
+        make_job(job_name, 1, **options(aws, data_snapshot=snapshot, data_mount=str(data), disk_gb=64))
+    finally:
+        subprocess.run(["umount", "-l", str(data)], check=False)
+    (inst,) = live(job_instances(aws, job_name))
+    disks = {m["DeviceName"]: m["Ebs"]["VolumeId"] for m in inst["BlockDeviceMappings"]}
+    volumes = {v["VolumeId"]: v for v in ec2.describe_volumes(VolumeIds=list(disks.values()))["Volumes"]}
+    assert volumes[disks["/dev/sdf"]].get("SnapshotId") == snapshot
+    assert volumes[disks["/dev/sda1"]]["Size"] == 64
+    main(["down", job_name])
+
+
+def test_a_spot_job_is_priced_from_the_spot_price_history(aws, job_name, capsys):
+    make_job(job_name, 1, **options(aws, spot=True))
+    (inst,) = live(job_instances(aws, job_name))
+    assert inst.get("InstanceLifecycle") == "spot"
+    capsys.readouterr()
+    assert main(["ls", job_name]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith(job_name) and "c5.large" in ln)
+    assert " spot " in line and "spot price history" in line and "?" not in line
+    main(["down", job_name])
+
+
+def test_autostop_powers_off_only_after_the_idle_time_with_no_command_running(tmp_path):
+    socket, done = f"autostop-{os.getpid()}", tmp_path / "powered-off"
+    tmux = ["tmux", "-L", socket]
+    subprocess.run([*tmux, "new-session", "-d", "-s", "task", "-n", "shell", "sh"], check=True)
+    subprocess.run([*tmux, "new-window", "-d", "-t", "task", "-n", "train", "sleep 600"], check=True)
+    status = tmp_path / ".speedrun" / "autostop" / "status"
+    env = {**os.environ, "HOME": str(tmp_path)}
+    script = aws_provider.autostop_script(1 / 60, tmux_socket=socket, poweroff=f"touch {done}", every_s=0.1)
+    try:
+        subprocess.run(["bash", "-c", script], env=env, check=True)
+        # Twenty checks (two seconds, twice the idle time) with the train window alive: no power-off.
+        wait_for(lambda: status.exists() and int(status.read_text().split()[0]) >= 20)
+        assert status.read_text().split()[1] == "busy" and not done.exists()
+        subprocess.run([*tmux, "kill-window", "-t", "task:train"], check=True)
+        wait_for(done.exists)  # idle now: powered off after a second
+        assert status.read_text().split()[1] == "idle"
+    finally:
+        pid = (tmp_path / ".speedrun" / "autostop" / "pid").read_text().strip()
+        subprocess.run(["kill", pid], capture_output=True)
+        subprocess.run([*tmux, "kill-server"], capture_output=True)
+
+
+def wait_for(condition, timeout: float = 60.0) -> None:
+    """Poll a condition (a background watcher's progress), failing after timeout seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
