@@ -258,12 +258,20 @@ class AWSTestServer:
 
 def main() -> None:
     """Serve until Ctrl-C, printing what a shell needs to use it."""
+    import argparse
     import signal
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--fail", action="append", default=[], metavar="ACTION:CODE[:ZONE[:MARKET]]",
+                        help="answer ACTION with the AWS error CODE, e.g. RunInstances:VcpuLimitExceeded::on-demand")
+    args = parser.parse_args()
     cluster = NetnsCluster(0)
     cluster.start()
     with contextlib.ExitStack() as stack:
         stack.callback(cluster.stop)
         aws = stack.enter_context(AWSTestServer(cluster))
+        for spec in args.fail:
+            action, code, zone, market = (spec.split(":") + ["", ""])[:4]
+            aws.fail(action, code, zone=zone or None, market=market or None)
         print("# the AWS test server (moto) and its namespace machines are up; in another shell:")
         for k, v in aws.environment().items():
             print(f"export {k}={v}")

@@ -11,6 +11,7 @@ import os
 import stat
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -150,6 +151,7 @@ def test_a_quota_too_small_names_the_quota_and_the_vcpus(aws, job_name, spot, co
     with pytest.raises(SpeedrunError) as e:
         make_job(job_name, 2, **options(aws, instance_type="p5.48xlarge", spot=spot))
     assert quota in str(e.value) and "2 x p5.48xlarge = 384 vCPUs" in str(e.value)
+    assert aws.client().describe_placement_groups()["PlacementGroups"] == []  # nothing half made is left
 
 
 def test_no_credentials_is_one_line(aws, monkeypatch, capsys):
@@ -166,6 +168,7 @@ def test_a_launch_failing_after_instances_started_terminates_them(aws, job_name)
         make_job(job_name, 2, **options(aws, ssh_user="nobody-here", boot_timeout=1))
     ids = sorted(i["InstanceId"] for i in job_instances(aws, job_name))
     assert len(ids) == 2 and live(job_instances(aws, job_name)) == []
+    assert aws.client().describe_placement_groups()["PlacementGroups"] == []
     msg = str(e.value)
     assert "terminated the 2 instance(s) it launched" in msg and all(i in msg for i in ids)
 
@@ -259,3 +262,27 @@ def wait_for(condition, timeout: float = 60.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.05)
+
+
+def test_launch_ls_logs_kill_down_from_the_command_line(aws, job_name, tmp_path, capsys):
+    allreduce = Path(__file__).parent / "allreduce.py"
+    flags = ["--provider", "aws", "-n", "2", "--instance-type", "c5.large", "--image", IMAGE, "--zone", aws.zone,
+             "--vpc-cidr", aws.VPC_CIDR, "--private-ips", "--ssh-user", "root", "--no-shared-storage",
+             "--run-root", str(tmp_path / "runs")]
+    assert main(["launch", job_name, *flags, "--env", "OMP_NUM_THREADS=1", "--wait", "--", str(allreduce),
+                 "{run_dir}"]) == 0
+    run_dir = capsys.readouterr().out.split("run dir ", 1)[1].split(":", 1)[0]
+    assert sorted(p.name for p in Path(run_dir).glob("rank*.json")) == ["rank0.json", "rank1.json"]
+    instances = sorted(live(job_instances(aws, job_name)), key=lambda i: int(aws_provider.tag_value(i, "speedrun:task")))
+
+    assert main(["ls", job_name]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [tuple(ln.split()[:4]) for ln in out[1:3]] == [
+        (job_name, str(i), f"root@{inst['PrivateIpAddress']}", "succeeded") for i, inst in enumerate(instances)]
+    assert any(ln.startswith(job_name) and "c5.large" in ln and "on-demand" in ln for ln in out[3:])
+    assert main(["logs", job_name, "1"]) == 0
+    assert capsys.readouterr().out.strip().endswith("rank 1 of 2: sum 3")
+    assert main(["kill", job_name]) == 0
+    assert len(live(job_instances(aws, job_name))) == 2  # kill ends the commands, not the machines
+    assert main(["down", job_name]) == 0
+    assert live(job_instances(aws, job_name)) == [] and not registry.exists(job_name)

@@ -553,33 +553,37 @@ class AWSProvider(Provider):
                 if inst["InstanceId"] in fresh:
                     forget_host_key(self.known_hosts, host.spec.host)  # a key left from an earlier tenant of the address
             parallel(lambda h: wait_for_ssh(h, c.boot_timeout), hosts)
-            mount = None
-            if c.shared_storage:
-                zone = instances[0]["Placement"]["AvailabilityZone"]
-                fs, address = ensure_efs(s, ensure_subnet(s, net, zone), net.security_group)
-                mount = (fs, address)
-            parallel(lambda pair: prepare_host(pair[1], pair[0], c, mount), list(zip(instances, hosts)))
+            zone = instances[0]["Placement"]["AvailabilityZone"]
+            efs = ensure_efs(s, ensure_subnet(s, net, zone), net.security_group) if c.shared_storage else None
+            parallel(lambda pair: prepare_host(pair[1], pair[0], c, efs), list(zip(instances, hosts)))
             return hosts
         except BaseException as e:
-            if not launched and not started:
+            if started and not launched:
                 raise
-            raise self.undo(launched, e) from e
+            raise self.undo(launched, e, job_had_instances=len(by_task) > len(launched)) from e
 
-    def undo(self, launched: list[str], error: BaseException) -> BaseException:
-        """Terminate the instances this launch started, after `error`; the error to raise, naming them."""
+    def undo(self, launched: list[str], error: BaseException, *, job_had_instances: bool) -> BaseException:
+        """Terminate the instances this launch started after `error` (and the job's placement group
+        when the job has no other instance); the error to raise, naming them."""
         what = str(error) if isinstance(error, SpeedrunError) else f"interrupted ({type(error).__name__})"
-        if not launched:
-            return error if not isinstance(error, SpeedrunError) else SpeedrunError(
-                f"{what}; the started instances keep running: speedrun down {self.job} terminates them")
         try:
             self.session.terminate(launched)
+            if not job_had_instances:
+                self.delete_placement_group()
         except SpeedrunError as e2:
-            return SpeedrunError(f"{what}; the instances it launched could not be terminated ({e2}): "
-                                 f"terminate {', '.join(launched)} yourself (speedrun down {self.job})")
-        log.info("terminated the instance(s) this launch started: %s", ", ".join(launched))
-        if not isinstance(error, SpeedrunError):
+            return SpeedrunError(f"{what}; what it launched could not be removed ({e2}): terminate "
+                                 f"{', '.join(launched) or 'its instances'} yourself (speedrun down {self.job})")
+        if not launched or not isinstance(error, SpeedrunError):
             return error
+        log.info("terminated the instance(s) this launch started: %s", ", ".join(launched))
         return SpeedrunError(f"{what}; terminated the {len(launched)} instance(s) it launched ({', '.join(launched)})")
+
+    def delete_placement_group(self) -> None:
+        """Delete the job's placement group if it exists (once no instance is in it)."""
+        s, name = self.session, self.placement_group_name
+        with aws_errors(f"delete placement group {name}"):
+            if s.ec2.describe_placement_groups(Filters=[{"Name": "group-name", "Values": [name]}])["PlacementGroups"]:
+                s.ec2.delete_placement_group(GroupName=name)
 
     def launch_instances(self, tasks: list[int], zones: list[str], net: Network, key_name: str) -> list[dict[str, Any]]:
         """run_instances for these task indices, all in one zone: the first of `zones` with capacity."""
@@ -687,10 +691,7 @@ class AWSProvider(Provider):
             for address in (inst.get("PrivateIpAddress"), inst.get("PublicIpAddress")):
                 if address:
                     forget_host_key(self.known_hosts, address)
-        with aws_errors(f"delete placement group {self.placement_group_name}"):
-            if s.ec2.describe_placement_groups(Filters=[{"Name": "group-name", "Values": [self.placement_group_name]}])[
-                    "PlacementGroups"]:
-                s.ec2.delete_placement_group(GroupName=self.placement_group_name)
+        self.delete_placement_group()
         return ids
 
     def close(self) -> None:
