@@ -15,8 +15,9 @@ Only addresses from 198.51.100.0/24 (TEST-NET-2) and loopback are ever used.
 The namespaces isolate the network only: the hosts share this machine's filesystem (which serves as
 the "shared storage" a real cluster would mount) and its users. Each sshd gives its sessions their
 own HOME and TMUX_TMPDIR (set from authorized_keys), so that per-host state such as tmux servers,
-setup marks and synced code is kept apart as it would be on separate machines. GLOO_SOCKET_IFNAME
-is set to eth0 there too: the machine's hostname resolves to an address outside the namespaces.
+setup marks and synced code is kept apart as it would be on separate machines. Nothing else is
+set for them: the machine's host name resolves to an address outside the namespaces, as on many
+real machines, and `job.launch` must find the interface that reaches task 0 by itself.
 
 Needs root, `ip` (iproute2), `ssh-keygen` and `/usr/sbin/sshd`.
 """
@@ -189,7 +190,6 @@ class NetnsCluster:
             "HOME": str(home),
             "TMUX_TMPDIR": str(home / ".tmux"),
             "PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"),
-            "GLOO_SOCKET_IFNAME": "eth0",
         }
         options = ",".join(f'environment="{k}={v}"' for k, v in env.items())
         key = authorized_key or Path(f"{self.client_key}.pub").read_text()

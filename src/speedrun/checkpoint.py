@@ -27,6 +27,7 @@ class RunState:
     """What a checkpoint carries besides weights and optimizer state."""
 
     epoch: int = 0  # next epoch to run (0-based), which is also the number of epochs done
+    epoch_step: int = 0  # steps of `epoch` already taken (a run stopped mid-epoch continues there)
     step: int = 0  # optimizer steps taken, all epochs
     startup_s: float = 0.0  # process start -> first step, in the run's first process
     train_s: float = 0.0  # first step -> now, summed over resumed sessions
@@ -54,8 +55,15 @@ def save_run(writer: CheckpointWriter, path: Path, learner: Learner, state: RunS
             "speedrun": speedrun.__version__,
         },
         path,
-        label=f"{path} (after epoch {state.epoch})",
+        label=f"{path} ({where(state)})",
     )
+
+
+def where(state: RunState) -> str:
+    """Where a checkpoint stands: "after epoch 3" or "at step 130, 22 steps into epoch 4"."""
+    if state.epoch_step:
+        return f"at step {state.step}, {state.epoch_step} steps into epoch {state.epoch + 1}"
+    return f"after epoch {state.epoch}"
 
 
 def restore_run(path: Path, learner: Learner, cfg: TrainConfig, world_size: int) -> RunState:

@@ -13,7 +13,8 @@ from rich.console import Console
 from rich.table import Table
 
 from speedrun.data import LOADERS, folder_summary, is_image_folder
-from speedrun.errors import EXIT_BAD_INPUT, EXIT_FAILED, SpeedrunError, TrainingFailed
+from speedrun.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_RESUMABLE, SpeedrunError, TrainingFailed
+from speedrun.stopping import IMDS_NOTICE_URL, NOTICE_ENV
 from speedrun.recipe import PRECISIONS, Recipe, RecipeError, Target
 from speedrun.recipes import BUILTIN, DEFAULT, FITTED, load_recipe
 
@@ -47,7 +48,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="image-folder training decode: PIL worker processes, or NVIDIA DALI on the training device "
                    "(needs speedrun[dali]); auto: DALI on CUDA when installed, else PIL")
     p.add_argument("--log-every", type=int, default=50, metavar="STEPS", help="steps between train-loss records (default 50)")
-    p.add_argument("--checkpoint-every", type=int, default=1, metavar="EPOCHS", help="epochs between checkpoints, 0 for none (default 1)")
+    p.add_argument("--checkpoint-every", action="append", default=None, metavar="EPOCHS|MINUTESm",
+                   help="epochs between checkpoints, 0 for none (default 1); `10m`: also one mid-epoch every 10 "
+                        "minutes (both may be given)")
+    p.add_argument("--spot-notice-url", default=os.environ.get(NOTICE_ENV),
+                   help="poll this URL for a spot interruption notice and stop at a step when one comes "
+                        f"(EC2: {IMDS_NOTICE_URL}; default ${NOTICE_ENV})")
     p.add_argument("--nproc-per-node", type=int, default=None, metavar="N", help="start N processes on this machine through torchrun")
     p.add_argument("--sync-bn", action="store_true", help="synchronise BatchNorm statistics across processes")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, metavar="MB", help="DDP gradient bucket size (default 25)")
@@ -136,8 +142,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise SpeedrunError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-    if args.checkpoint_every < 0:
-        raise SpeedrunError(f"--checkpoint-every must be 0 or more, got {args.checkpoint_every}")
+    checkpoint_every, checkpoint_minutes = parse_checkpoint_every(args.checkpoint_every or ["1"])
     from speedrun.dist import pick_device
     from speedrun.config import TrainConfig
     from speedrun.engine import train
@@ -157,7 +162,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         copies=args.copies,
         loader=args.loader,
         log_every=args.log_every,
-        checkpoint_every=args.checkpoint_every,
+        checkpoint_every=checkpoint_every,
+        checkpoint_minutes=checkpoint_minutes,
+        spot_notice_url=args.spot_notice_url,
         sync_bn=args.sync_bn,
         bucket_cap_mb=args.bucket_cap_mb,
         bf16_grads=args.bf16_grads,
@@ -174,7 +181,30 @@ def cmd_train(args: argparse.Namespace) -> int:
             forwarded += ["--out", str(default_run_dir(recipe.name))]
         return launch_local_processes(forwarded, args.nproc_per_node)
     results = train(cfg)
+    if results["status"] == "stopped":
+        return EXIT_RESUMABLE
     return 0 if results["status"] in ("finished", "target_reached") else EXIT_FAILED
+
+
+def parse_checkpoint_every(values: list[str]) -> tuple[int, float | None]:
+    """--checkpoint-every values: (epochs between checkpoints, minutes between mid-epoch ones).
+    A value is a whole number of epochs or minutes ending in m ("10m", "0.5m"); the last of
+    each kind counts. Only minutes given: epoch checkpoints stay at every epoch."""
+    epochs, minutes = 1, None
+    for value in values:
+        text = value.strip().lower()
+        try:
+            if text.endswith("m"):
+                minutes = float(text[:-1])
+                if not minutes > 0:
+                    raise ValueError
+            else:
+                epochs = int(text)
+                if epochs < 0:
+                    raise ValueError
+        except ValueError:
+            raise SpeedrunError(f"bad --checkpoint-every {value!r}: give epochs (0 or more) or minutes, e.g. 10m") from None
+    return epochs, minutes
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -225,6 +255,7 @@ def launch_local_processes(argv: list[str], n: int) -> int:
     refused bad input (exit 2) makes this a bad-input error too."""
     import uuid
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -243,7 +274,15 @@ def launch_local_processes(argv: list[str], n: int) -> int:
     )
     try:
         elastic_launch(config, sys.executable)("-m", "speedrun", *argv)
+    except SignalException:  # SIGTERM here: torchrun passed it on, the processes stopped at a step
+        if run_status(argv) == "stopped":
+            return EXIT_RESUMABLE
+        raise KeyboardInterrupt("stopped by SIGTERM") from None
     except ChildFailedError as e:
+        # All stopped at the same step; the first to exit made torchrun stop the others, which had
+        # written everything by then (they wait for each other), so their exit codes do not matter.
+        if any(f.exitcode == EXIT_RESUMABLE for f in e.failures.values()) and run_status(argv) == "stopped":
+            return EXIT_RESUMABLE
         rank, failure = root_cause(e.failures)
         message = failure.message or ""
         if not message or str(message).startswith("To enable traceback"):  # torchrun's placeholder
@@ -257,6 +296,15 @@ def launch_local_processes(argv: list[str], n: int) -> int:
             "the other ranks were stopped"
         ) from None
     return 0
+
+
+def run_status(argv: list[str]) -> str | None:
+    """The status in results.json of the run `--out` names in argv, if there is one."""
+    from speedrun.rundir import run_status as status_of
+
+    if "--out" not in argv:
+        return None
+    return status_of(Path(argv[argv.index("--out") + 1]))
 
 
 def root_cause(failures: dict) -> tuple[int, object]:

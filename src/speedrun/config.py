@@ -26,6 +26,8 @@ class TrainConfig:
     loader: str = "auto"  # image-folder training decode: "auto", "pil" or "dali" (data.build_source)
     log_every: int = 50  # steps between train-loss records
     checkpoint_every: int = 1  # epochs between checkpoints (0: never)
+    checkpoint_minutes: float | None = None  # also a checkpoint mid-epoch when this many minutes passed
+    spot_notice_url: str | None = None  # poll it for a spot interruption notice (see speedrun.stopping)
     sync_bn: bool = False  # synchronise BatchNorm statistics across ranks
     bucket_cap_mb: float = 25.0  # DDP gradient bucket size
     bf16_grads: bool = False  # compress gradients to bf16 for the all-reduce (CUDA only)

@@ -1,7 +1,9 @@
 """The training loop: `train(config)` runs one process's share of a run (one process per device;
 see speedrun.dist). Read `train` top to bottom for the whole story: claim the run directory,
 build the data source and the learner, then for every epoch set the LR per step, train, evaluate,
-checkpoint, and stop at the target; the results go to results.json whatever happens.
+checkpoint, and stop at the target; the results go to results.json whatever happens. Asked to
+stop (SIGTERM, a spot notice, a stop file: speedrun.stopping), every rank stops after the same
+step and the checkpoint holds that step, so that `--resume` continues exactly there.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import torch
 
 import speedrun
 from speedrun import rundir
-from speedrun.checkpoint import CheckpointWriter, RunState, restore_run, save_run
+from speedrun.checkpoint import CheckpointWriter, RunState, restore_run, save_run, where
 from speedrun.config import TrainConfig
 from speedrun.data import build_source
 from speedrun.data.base import DataSource, TrainStream
@@ -28,6 +30,7 @@ from speedrun.learner import (DeviceBatches, EvalSettings, Learner, build_learne
                               configure_determinism, evaluate)
 from speedrun.optim import set_lr
 from speedrun.recipe import Phase, Recipe
+from speedrun.stopping import StopRequests
 from speedrun.track import Tracker, build_results, memory_mb, read_jsonl
 
 PEER_DIED = "another rank probably died"  # the launcher recognises collateral failures by this
@@ -80,57 +83,73 @@ def run_epochs(
     evals = read_jsonl(out / "metrics.jsonl") if cfg.resume else []
     clock = Clock(cfg.process_start, state)
     streams = PhaseStreams(source, ctx, cfg.seed)
-    writer = CheckpointWriter(last_written=f"{out / 'checkpoint.pt'} (after epoch {state.epoch})" if cfg.resume else None)
+    writer = CheckpointWriter(last_written=f"{out / 'checkpoint.pt'} ({where(state)})" if cfg.resume else None)
     status = "interrupted"
     # A resumed run that had reached its target is complete: nothing more to train.
     first_epoch = state.epoch if state.target_epoch is None else recipe.epochs
+    stops = StopRequests(ctx, out, cfg.spot_notice_url)
+    last_save = time.time()
     try:
-        for epoch in range(first_epoch, recipe.epochs):
-            phase = recipe.phase_at(epoch)
-            stream = streams.for_epoch(phase, epoch)
-            steps, images_per_step = len(stream), stream.batch_size * ctx.world_size
-            tracker.start_epoch(epoch, recipe.epochs, steps, phase.size, phase.batch_size)
+        with stops:
+            for epoch in range(first_epoch, recipe.epochs):
+                phase = recipe.phase_at(epoch)
+                skip = state.epoch_step if epoch == first_epoch else 0  # steps a resumed epoch already took
+                stream = streams.for_epoch(phase, epoch, skip)
+                steps, images_per_step = len(stream), stream.batch_size * ctx.world_size
+                tracker.start_epoch(epoch, recipe.epochs, steps, phase.size, phase.batch_size)
 
-            learner.net.train()
-            start = time.time()
-            for i, (images, labels) in enumerate(stream):
-                clock.first_step()
-                lr = recipe.lr_at(epoch, i, steps, ctx.world_size)  # per step: warmups and decays are smooth
-                set_lr(learner.optimizer, lr)
-                state.step += 1
-                loss = learner.step(*batches.to_device(images, labels), state.step)
-                if state.step % cfg.log_every == 0 or i == steps - 1:
-                    log_train_loss(loss, lr, epoch, state.step, ctx, tracker)
-                tracker.advance((i + 1) * images_per_step / max(time.time() - start, 1e-9))
-            if ctx.device.type == "cuda":
-                torch.cuda.synchronize()
-            epoch_s = time.time() - start
-            speed = {"images_per_s": steps * images_per_step / epoch_s, "epoch_s": epoch_s}
-            learner.average_buffers(ctx)  # every rank evaluates (and rank 0 saves) the same model
-            tracker.log_epoch({"epoch": epoch + 1, "step": state.step, "size": phase.size,
-                               "batch_size": phase.batch_size, **speed, "memory_mb": memory_mb(ctx.device)})
-            state.epoch = epoch + 1
+                learner.net.train()
+                start = time.time()
+                for i, (images, labels) in enumerate(stream, start=skip):
+                    clock.first_step()
+                    lr = recipe.lr_at(epoch, i, steps, ctx.world_size)  # per step: warmups and decays are smooth
+                    set_lr(learner.optimizer, lr)
+                    state.step += 1
+                    loss = learner.step(*batches.to_device(images, labels), state.step)
+                    state.epoch_step = i + 1
+                    if state.step % cfg.log_every == 0 or i == steps - 1:
+                        log_train_loss(loss, lr, epoch, state.step, ctx, tracker)
+                    tracker.advance((i + 1 - skip) * images_per_step / max(time.time() - start, 1e-9))
+                    if stops.agreed():  # every rank stops after this same step
+                        break
+                    if ctx.is_main and cfg.checkpoint_minutes and time.time() - last_save >= 60 * cfg.checkpoint_minutes:
+                        state.train_s = clock.train_s()
+                        save_run(writer, out / "checkpoint.pt", learner, state, cfg)  # mid-epoch, in the background
+                        last_save = time.time()
+                if stops.code:
+                    status = stop_here(stops, writer, out, learner, state, clock, cfg, ctx, tracker)
+                    break
+                if ctx.device.type == "cuda":
+                    torch.cuda.synchronize()
+                epoch_s = time.time() - start
+                speed = {"images_per_s": (steps - skip) * images_per_step / epoch_s, "epoch_s": epoch_s}
+                learner.average_buffers(ctx)  # every rank evaluates (and rank 0 saves) the same model
+                tracker.log_epoch({"epoch": epoch + 1, "step": state.step, "size": phase.size,
+                                   "batch_size": phase.batch_size, **speed, "memory_mb": memory_mb(ctx.device)})
+                state.epoch, state.epoch_step = epoch + 1, 0
 
-            last = epoch == recipe.epochs - 1
-            if (epoch + 1) % recipe.eval_every == 0 or last:
-                settings = EvalSettings(phase.size, recipe.val_batch_size or phase.batch_size, phase.rect_val,
-                                        recipe.eval_flip, learner.precision, phase.copy, phase.crop_pct)
-                metrics = evaluate(learner.eval_net, source, settings, batches, ctx)
-                # Evaluation time counts towards time-to-target, as in the 2018 record's clock.
+                last = epoch == recipe.epochs - 1
+                if (epoch + 1) % recipe.eval_every == 0 or last:
+                    settings = EvalSettings(phase.size, recipe.val_batch_size or phase.batch_size, phase.rect_val,
+                                            recipe.eval_flip, learner.precision, phase.copy, phase.crop_pct)
+                    metrics = evaluate(learner.eval_net, source, settings, batches, ctx)
+                    # Evaluation time counts towards time-to-target, as in the 2018 record's clock.
+                    state.train_s = clock.train_s()
+                    evals.append(note_evaluation(recipe, phase, epoch, metrics, speed, state, tracker))
+                    # results.json so far, so that `speedrun compare` can show a run that is still going.
+                    tracker.write_results(build_results(cfg, ctx, source, state, evals, "running", clock.session_start,
+                                                        learner.precision))
                 state.train_s = clock.train_s()
-                evals.append(note_evaluation(recipe, phase, epoch, metrics, speed, state, tracker))
-                # results.json so far, so that `speedrun compare` can show a run that is still going.
-                tracker.write_results(build_results(cfg, ctx, source, state, evals, "running", clock.session_start,
-                                                    learner.precision))
-            state.train_s = clock.train_s()
-            if ctx.is_main and cfg.checkpoint_every and (
-                state.epoch % cfg.checkpoint_every == 0 or last or state.target_epoch is not None
-            ):
-                save_run(writer, out / "checkpoint.pt", learner, state, cfg)  # written while the next epoch runs
-            if state.target_epoch is not None:
-                break
+                if ctx.is_main and cfg.checkpoint_every and (
+                    state.epoch % cfg.checkpoint_every == 0 or last or state.target_epoch is not None
+                ):
+                    save_run(writer, out / "checkpoint.pt", learner, state, cfg)  # written while the next epoch runs
+                    last_save = time.time()
+                if state.target_epoch is not None:
+                    break
         writer.wait()
-        status = "target_reached" if state.time_to_target_s is not None else "finished"
+        if status != "stopped":
+            status = "target_reached" if state.time_to_target_s is not None else "finished"
     except TrainingFailed:
         status = "failed"
         raise
@@ -154,7 +173,26 @@ def run_epochs(
             tracker.plot(evals, dataclasses.asdict(recipe.target) if recipe.target else None)
         except OSError as e:  # a full disk: the error above says so; the checkpoint is what counts
             tracker.print(f"results.json not written: {e.strerror}")
+    if status == "stopped":
+        # No rank leaves before rank 0 has the checkpoint and results on disk: the launcher stops
+        # the others as soon as one process exits.
+        stops.barrier()
     return results
+
+
+def stop_here(stops: StopRequests, writer: CheckpointWriter, out: Path, learner: Learner, state: RunState,
+              clock: Clock, cfg: TrainConfig, ctx: DistContext, tracker: Tracker) -> str:
+    """Every rank agreed to stop after this step: rank 0 writes the checkpoint of this exact step
+    and waits for it; returns the run's status, "stopped"."""
+    state.train_s = clock.train_s()
+    if ctx.is_main:
+        save_run(writer, out / "checkpoint.pt", learner, state, cfg)
+        writer.wait()
+        stops.clear()
+    notice = f" ({stops.notice})" if stops.notice else ""
+    tracker.print(f"stopped {where(state)} on {stops.reason}{notice}; the checkpoint holds this step: "
+                  f"continue with --resume --out {out}")
+    return "stopped"
 
 
 def run_header(cfg: TrainConfig, ctx: DistContext, source: DataSource, precision: str) -> str:
@@ -258,13 +296,13 @@ class PhaseStreams:
         self.stream: TrainStream | None = None
         self.key = None
 
-    def for_epoch(self, phase: Phase, epoch: int) -> TrainStream:
+    def for_epoch(self, phase: Phase, epoch: int, start_step: int = 0) -> TrainStream:
         if phase.data_key != self.key:
             self.close()
             self.stream, self.key = self.source.train_stream(phase, self.ctx.shard, self.seed), phase.data_key
         else:  # the same data setting: only the batch size may differ
             self.stream.batch_size = phase.batch_size
-        self.stream.set_epoch(epoch)
+        self.stream.set_epoch(epoch, start_step)
         if len(self.stream) == 0:
             raise SpeedrunError(
                 f"epoch {epoch}: {self.source.num_train} training images cannot fill one batch of "

@@ -10,6 +10,9 @@ import threading
 
 # Exit codes of every speedrun command.
 EXIT_OK, EXIT_INTERNAL, EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+# Stopped at a step on request (SIGTERM, a spot notice, a stop file) with a checkpoint there:
+# `--resume` continues exactly (sysexits' EX_TEMPFAIL: "try again later").
+EXIT_RESUMABLE = 75
 
 
 class SpeedrunError(Exception):
@@ -20,18 +23,19 @@ class TrainingFailed(Exception):
     """Training cannot go on (a non-finite loss, a peer process died); the CLI exits with status 3."""
 
 
-def stop_on_sigterm():
+def stop_on_sigterm(signals: tuple[signal.Signals, ...] = (signal.SIGTERM,)):
     """Treat SIGTERM (torchrun stopping the survivors when a rank died, a spot instance being
-    reclaimed, `kill` of a background job, which ignores SIGINT) like Ctrl-C, so results so far
-    are written. Returns a function undoing this."""
+    reclaimed, `kill` of a background job, which ignores SIGINT), and any other of `signals`
+    (SIGHUP: the terminal closed), like Ctrl-C, so that `finally` blocks clean up and results so
+    far are written. Returns a function undoing this."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
 
     def interrupt(signum, frame):
         raise KeyboardInterrupt(f"stopped by signal {signal.Signals(signum).name}")
 
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    return lambda: signal.signal(signal.SIGTERM, previous)
+    previous = {s: signal.signal(s, interrupt) for s in signals}
+    return lambda: [signal.signal(s, handler) for s, handler in previous.items()]
 
 
 def one_line(error: BaseException, limit: int = 200) -> str:

@@ -223,10 +223,15 @@ def test_data_comes_from_a_snapshot_and_the_root_disk_has_the_size_asked(aws, jo
     main(["down", job_name])
 
 
-def test_a_spot_job_is_priced_from_the_spot_price_history(aws, job_name, capsys):
-    make_job(job_name, 1, **options(aws, spot=True))
+def test_a_spot_job_is_priced_from_the_spot_price_history_and_told_where_notices_come(aws, job_name, tmp_path, capsys):
+    job = make_job(job_name, 1, **options(aws, spot=True, run_root=str(tmp_path / "runs")))
     (inst,) = live(job_instances(aws, job_name))
     assert inst.get("InstanceLifecycle") == "spot"
+    (command,) = job.launch([str(Path(__file__).parent / "allreduce.py"), job.run_dir])
+    assert command.wait(timeout=300).ok
+    # The trainer polls EC2's metadata for the two-minute notice (speedrun.stopping).
+    assert "SPEEDRUN_SPOT_NOTICE_URL=http://169.254.169.254/latest/meta-data/spot/instance-action" in \
+        Path(command.dir, "run.sh").read_text()
     capsys.readouterr()
     assert main(["ls", job_name]) == 0
     line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith(job_name) and "c5.large" in ln)

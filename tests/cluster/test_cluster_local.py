@@ -259,20 +259,19 @@ def test_logs_follow_streams_until_the_command_ends(local_job, tmp_path):
     assert out.getvalue() == "first\nlast\n"
 
 
-def test_attach_joins_the_session_in_a_terminal(local_job):
-    job = local_job()
-    job[0].run("sleep 300", background=True, name="train")
-    argv = job[0].attach_argv("train")
+def attached_window(task, window: str | None) -> str:
+    """Attach to the task in a terminal of its own, as a person at a keyboard would; the window the
+    client lands in (then it detaches)."""
+    argv = task.attach_argv(window)
     pid, fd = pty.fork()
-    if pid == 0:  # the child: a terminal of its own, as a person at a keyboard would have
+    if pid == 0:
         os.environ.pop("TMUX", None)
         os.execvp(argv[0], argv)
     try:
-        clients = wait_for(lambda: tmux("list-clients", "-t", f"={job[0].session}",
+        clients = wait_for(lambda: tmux("list-clients", "-t", f"={task.session}",
                                           "-F", "#{client_session} #{window_name}").stdout.split(), 30,
                              "the attached client")
-        assert clients == [job[0].session, "train"]
-        tmux("detach-client", "-s", f"={job[0].session}")
+        tmux("detach-client", "-s", f"={task.session}")
         while True:  # drain the terminal until the client exits
             try:
                 if not os.read(fd, 65536):
@@ -281,8 +280,24 @@ def test_attach_joins_the_session_in_a_terminal(local_job):
                 break
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
+        assert clients[0] == task.session
+        return clients[1]
     finally:
         os.close(fd)
+
+
+def test_attach_joins_the_session_in_a_terminal(local_job):
+    job = local_job()
+    job[0].run("sleep 300", background=True, name="train")
+    job[0].run("sleep 300", background=True, name="other")
+    assert attached_window(job[0], "train") == "train"
+
+
+def test_attach_lands_in_the_newest_commands_window_not_the_idle_shell(local_job):
+    job = local_job()
+    job[0].run("sleep 300", background=True, name="setup")
+    job[0].run("sleep 300", background=True, name="train")
+    assert attached_window(job[0], None) == "train"
 
 
 def test_bad_input_is_a_one_line_error(local_job, tmp_path):

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import signal
 import subprocess
+import sys
 import urllib.request
 from pathlib import Path
 
@@ -206,3 +208,21 @@ def test_tensorboard_is_bound_to_localhost_and_forwarded(ssh_job, netns):
         tb.close()
     wait_for(lambda: tb.tunnel.poll() is not None, 30, "the tunnel to close")
     assert tb.command.state() == "killed"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_speedrun_tb_ended_by_a_signal_stops_tensorboard_on_the_host(ssh_job, sig):
+    job = ssh_job(num_tasks=1)
+    job[0].write(f"{job.run_dir}/tb/placeholder.txt", "")
+    tb = subprocess.Popen([sys.executable, "-m", "speedrun", "tb", job.name], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+    try:
+        line = tb.stdout.readline()
+        assert line.startswith(f"TensorBoard for {job.name}: http://127.0.0.1:"), tb.stderr.read()
+        tb.send_signal(sig)
+        assert tb.wait(timeout=60) == 0  # as after Ctrl-C
+    finally:
+        tb.kill()
+    command = job[0].command("tensorboard")
+    assert command is not None and command.state() == "killed"

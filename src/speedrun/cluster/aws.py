@@ -48,6 +48,7 @@ from speedrun.cluster.job import parallel
 from speedrun.cluster.provider import Billing, Provider
 from speedrun.cluster.ssh import HostSpec, SSHHost, SSHOptions
 from speedrun.errors import SpeedrunError, last_line
+from speedrun.stopping import IMDS_NOTICE_URL, NOTICE_ENV
 
 log = logging.getLogger("speedrun.cluster")
 
@@ -663,6 +664,10 @@ class AWSProvider(Provider):
         asked = f"{n} x {c.instance_type} = {n * vcpus} vCPUs" if vcpus else f"{n} x {c.instance_type}"
         return (f"the vCPU quota '{name}' ({code}) in {self.session.region} is too small for {asked} "
                 f"({error_code(error)}); ask AWS for more: Service Quotas > Amazon EC2 > {name}")
+
+    def environment(self) -> dict[str, str]:
+        # A spot instance gets two minutes' notice: `speedrun train` then stops at a step, resumable.
+        return {NOTICE_ENV: IMDS_NOTICE_URL} if self.config.spot else {}
 
     # --- money and lifetime ---
     def billing(self) -> Billing:

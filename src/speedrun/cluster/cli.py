@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import time
 from pathlib import Path
 
-from speedrun.errors import EXIT_FAILED, SpeedrunError
+from speedrun.errors import EXIT_FAILED, SpeedrunError, stop_on_sigterm
 
 
 
@@ -46,7 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("attach", help="attach this terminal to a task's tmux session (Ctrl-b d detaches)")
     p.add_argument("name", help="job name")
     p.add_argument("task", nargs="?", type=int, default=0, help="task index (default 0)")
-    p.add_argument("--window", help="select this window first (e.g. train, setup)")
+    p.add_argument("--window", help="select this window first (e.g. train, setup; default: the newest command's)")
     p.set_defaults(func=cmd_attach)
 
     p = sub.add_parser("logs", help="print a job's logs (all tasks, or one)")
@@ -325,6 +326,8 @@ def cmd_tb(args: argparse.Namespace) -> int:
     from speedrun.cluster.lifecycle import open_job
 
     job = open_job(args.name)
+    # Ended by kill or a closed terminal as by Ctrl-C: TensorBoard on task 0 is stopped too.
+    stop_on_sigterm((signal.SIGTERM, signal.SIGHUP))
     tb = job.tensorboard(local_port=args.port)
     print(f"TensorBoard for {job.name}: {tb.url}  (Ctrl-C stops it)", flush=True)
     try:

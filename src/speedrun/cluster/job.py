@@ -50,6 +50,19 @@ def parallel(fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
         return [f.result() for f in futures]
 
 
+def interface_towards(task: Task, address: str) -> str | None:
+    """The network interface on the task's host that holds `address` (on task 0 itself) or that
+    the host routes `address` through; None when `ip` cannot tell."""
+    script = f"""m={shlex.quote(address)}
+dev=$(ip -o -4 addr show 2>/dev/null | awk -v m="$m" '{{split($4, a, "/"); if (a[1] == m) {{print $2; exit}}}}')
+[ -n "$dev" ] || dev=$(ip -o route get "$m" 2>/dev/null | sed -n 's/.* dev \\([^ ]*\\).*/\\1/p')
+echo "$dev"
+"""
+    r = task.host.shell(script)
+    device = r.text.strip()
+    return device if r.returncode == 0 and device and device != "lo" else None
+
+
 @dataclass
 class TaskStatus:
     """One line of `speedrun ls`."""
@@ -111,7 +124,8 @@ class Job:
 
         COMMAND is what follows torchrun's options: `train.py --lr 0.1` or `-m speedrun train ...`
         (shell text; a list is quoted for you). The environment also gets SPEEDRUN_JOB,
-        SPEEDRUN_RUN_DIR, SPEEDRUN_TASK and SPEEDRUN_NUM_TASKS, plus `env`.
+        SPEEDRUN_RUN_DIR, SPEEDRUN_TASK and SPEEDRUN_NUM_TASKS, the provider's variables (spot
+        jobs on AWS: SPEEDRUN_SPOT_NOTICE_URL), plus `env`.
 
         If the job already runs a command of this name, nothing is started: the running commands are
         returned (reconnecting). Returns one Command per task.
@@ -141,8 +155,14 @@ class Job:
             torchrun = (f"{self.python} -m torch.distributed.run --nnodes={n} --node-rank={t.index} "
                         f"--nproc-per-node={nproc_per_node} --master-addr={master} --master-port={port} {text}")
             variables = {"SPEEDRUN_JOB": self.name, "SPEEDRUN_RUN_DIR": self.run_dir, "SPEEDRUN_TASK": str(t.index),
-                         "SPEEDRUN_NUM_TASKS": str(n), **(env or {})}
-            return t.run(torchrun, background=True, name=name, env=variables)
+                         "SPEEDRUN_NUM_TASKS": str(n), **self.provider.environment()}
+            if n > 1:
+                # gloo and NCCL bind to the address the host name resolves to, which may be 127.0.0.1
+                # or an interface the other hosts cannot reach: name the one that reaches task 0.
+                device = interface_towards(t, master)
+                if device:
+                    variables.update(GLOO_SOCKET_IFNAME=device, NCCL_SOCKET_IFNAME=device)
+            return t.run(torchrun, background=True, name=name, env={**variables, **(env or {})})
 
         return parallel(start, self.tasks)
 

@@ -64,6 +64,10 @@ class Provider(ABC):
         """Where run directories go by default on storage every host sees (EFS...); None: none."""
         return None
 
+    def environment(self) -> dict[str, str]:
+        """Variables every launched command gets on these machines (e.g. where spot notices come)."""
+        return {}
+
     def billing(self) -> Billing | None:
         """What the machines cost; None for machines speedrun did not start."""
         return None

@@ -202,12 +202,12 @@ class Task:
 
     # --- session ---
     def attach_argv(self, window: str | None = None) -> list[str]:
-        """The command line that attaches this terminal to the task's tmux session (at a window)."""
+        """The command line that attaches this terminal to the task's tmux session, at `window`, or
+        at the newest command's window (the last one; the idle shell when nothing ran)."""
         tm = ["tmux", "-L", self.tmux_socket]
-        argv = tm + ["attach-session", "-t", f"={self.session}"]
-        if window:
-            argv = tm + ["select-window", "-t", f"={self.session}:{check_name(window)}", ";"] + argv[3:]
-        return self.host.interactive_argv(argv)
+        target = check_name(window) if window else "{end}"
+        return self.host.interactive_argv(tm + ["select-window", "-t", f"={self.session}:{target}", ";",
+                                                "attach-session", "-t", f"={self.session}"])
 
     def attach(self, window: str | None = None) -> int:
         """Attach this terminal to the task's session until you detach (Ctrl-b d); returns the exit status."""

@@ -78,10 +78,10 @@ class TensorTrainStream:
         self.images, self.labels, self.phase = images, labels, phase
         self.batch_size = phase.batch_size
         self.shard, self.seed = shard, seed
-        self.epoch = 0
+        self.epoch, self.start_step = 0, 0
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+    def set_epoch(self, epoch: int, start_step: int = 0) -> None:
+        self.epoch, self.start_step = epoch, start_step
 
     def __len__(self) -> int:
         return len(self.labels) // self.shard.world_size // self.batch_size
@@ -95,7 +95,7 @@ class TensorTrainStream:
             n, height, width, p.min_scale, epoch_generator(self.seed, self.epoch, 1), p.ratio, p.translate, p.flip
         )
         order, boxes, flips = order.to(device), boxes.to(device), flips.to(device)
-        for start in range(0, len(order), self.batch_size):
+        for start in range(self.start_step * self.batch_size, len(order), self.batch_size):
             idx = order[start : start + self.batch_size]
             yield crop_resize_flip(self.images[idx], boxes[idx], flips[idx], p.size), self.labels[idx]
 

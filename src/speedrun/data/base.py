@@ -9,7 +9,8 @@ Sharding rules, shared by all sources so that N processes see exactly what one p
   same on every rank; rank r takes positions r, r + world, r + 2*world, ... of it, then cuts
   whole batches (drop_last). Step s of the union of all ranks is step s of one process with
   a world-times-larger batch. Per-sample augmentation randomness depends on (seed, epoch,
-  sample), not on the rank.
+  sample), not on the rank, nor on the batches before: an epoch can start at any step and
+  yield what it would have yielded there (DALI's own random draws excepted).
 - Validation: the (possibly aspect-sorted) list of validation samples is cut into batches first,
   then each rank takes a contiguous run of those batches; a rank may get fewer or none. Every
   sample is evaluated exactly once, whatever the world size.
@@ -61,7 +62,8 @@ class TrainStream(Protocol):
 
     batch_size: int
 
-    def set_epoch(self, epoch: int) -> None: ...
+    # The next iteration yields `epoch`'s batches from step `start_step` on (a run resumed mid-epoch).
+    def set_epoch(self, epoch: int, start_step: int = 0) -> None: ...
 
     def __len__(self) -> int: ...  # steps per epoch on this rank
 

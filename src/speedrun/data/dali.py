@@ -91,7 +91,7 @@ class DaliTrainStream:
             raise ValueError("DALI's random crop has no translation (the phase's translate); the PIL loader has")
         self.root, self.split, self.phase = root, split, phase
         self.shard, self.seed, self.threads, self.bad = shard, seed, max(1, threads), bad
-        self.batch_size, self.epoch = batch_size, 0
+        self.batch_size, self.epoch, self.start_step = batch_size, 0, 0
         if device.type == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
         else:
@@ -132,8 +132,10 @@ class DaliTrainStream:
         self._max_batch = max_batch
         self._state = "fresh"
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = int(epoch)
+    def set_epoch(self, epoch: int, start_step: int = 0) -> None:
+        # DALI draws its crops and flips from its own generator, in batch order: a resumed epoch
+        # reads the same images from `start_step` on, augmented with other draws.
+        self.epoch, self.start_step = int(epoch), int(start_step)
 
     def __len__(self) -> int:
         return len(self.split) // self.shard.world_size // self.batch_size
@@ -186,7 +188,7 @@ class DaliTrainStream:
         if bs > self._max_batch:
             self._build(bs)  # a larger batch than the pipeline was built for
         rows = rank_indices(epoch_permutation(len(self.split), self.seed, self.epoch), self.shard, bs).numpy()
-        batches = [self._skip_bad(rows[i : i + bs]) for i in range(0, len(rows), bs)]
+        batches = [self._skip_bad(rows[i : i + bs]) for i in range(self.start_step * bs, len(rows), bs)]
         if not batches:
             return
         self._start(batches)

@@ -169,6 +169,7 @@ class _EpochBatchSampler:
 
     def __init__(self, num: int, shard: Shard, seed: int, batch_size: int):
         self.num, self.shard, self.seed, self.batch_size, self.epoch = num, shard, seed, batch_size, 0
+        self.start_step = 0
 
     def __len__(self) -> int:
         return self.num // self.shard.world_size // self.batch_size
@@ -176,7 +177,7 @@ class _EpochBatchSampler:
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
         epoch, bs = self.epoch, self.batch_size
         rows = rank_indices(epoch_permutation(self.num, self.seed, epoch), self.shard, bs).tolist()
-        for i in range(0, len(rows), bs):
+        for i in range(self.start_step * bs, len(rows), bs):
             yield [(epoch, r) for r in rows[i : i + bs]]
 
 
@@ -219,8 +220,8 @@ class ImageFolderTrainStream:
     def batch_size(self, value: int) -> None:
         self._sampler.batch_size = int(value)
 
-    def set_epoch(self, epoch: int) -> None:
-        self._sampler.epoch = int(epoch)
+    def set_epoch(self, epoch: int, start_step: int = 0) -> None:
+        self._sampler.epoch, self._sampler.start_step = int(epoch), int(start_step)
 
     def __len__(self) -> int:
         return len(self._sampler)

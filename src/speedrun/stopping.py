@@ -1,0 +1,150 @@
+"""Stopping a run at a step, so that `--resume` continues from exactly there.
+
+Three things ask a run to stop:
+
+- SIGTERM (what a scheduler, torchrun's agent or `kill` sends first). A second SIGTERM does not
+  wait: it interrupts at once, as Ctrl-C does.
+- A spot interruption notice: a thread polls the instance metadata endpoint's
+  `spot/instance-action` every 5 s (`notice_url`; AWS gives two minutes between the notice and
+  the end). Off unless a URL is given (`--spot-notice-url`, or SPEEDRUN_SPOT_NOTICE_URL, which
+  the AWS provider sets for spot jobs): nothing is polled on machines that are not spot instances.
+- A request: a file named `stop` in the run directory (`touch RUN_DIR/stop`).
+
+A request seen by any rank stops all of them after the same step: after every step the ranks
+agree (an all-reduce of one small integer, over gloo so that it never waits on the GPU's
+stream). Rank 0 then writes a checkpoint holding the position in the epoch's sample order, and
+the process exits with EXIT_RESUMABLE.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from speedrun.dist import DistContext
+
+# torch is imported where it is used: the AWS provider reads this module's constants, and
+# `speedrun ls` should not pay for importing torch.
+
+NOTICE_ENV = "SPEEDRUN_SPOT_NOTICE_URL"
+IMDS_NOTICE_URL = "http://169.254.169.254/latest/meta-data/spot/instance-action"
+POLL_S = 5.0  # how often the notice URL is asked, seconds (AWS's advice)
+STOP_FILE = "stop"
+
+# Why a run stops, as the integer the ranks agree on (the largest wins).
+SIGNAL, REQUEST, NOTICE = 1, 2, 3
+REASONS = {SIGNAL: "SIGTERM", REQUEST: "a stop request (the run directory's `stop` file)",
+           NOTICE: "a spot interruption notice"}
+
+
+class StopRequests:
+    """Watches for the three requests above while the training loop runs; `agreed()` after each
+    step says whether every rank stops now. Use as a context manager (it installs the SIGTERM
+    handler and the polling thread, and removes them)."""
+
+    def __init__(self, ctx: DistContext, run_dir: Path, notice_url: str | None):
+        self.ctx, self.stop_file, self.notice_url = ctx, run_dir / STOP_FILE, notice_url
+        self.code = 0  # this rank's request (0: none)
+        self.notice: str | None = None  # the notice's text, when one came
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._previous_handler = None
+        # A control group on gloo when the training group is NCCL: agreeing on the CPU does not
+        # wait for the GPU's queued work. Every rank makes it, in the same order.
+        self._group = None
+        import torch.distributed as dist
+        if ctx.world_size > 1 and dist.get_backend() != "gloo":
+            self._group = dist.new_group(backend="gloo")
+
+    def __enter__(self) -> StopRequests:
+        if threading.current_thread() is threading.main_thread():
+            self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._thread = threading.Thread(target=self._poll, name="stop-requests", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        if self._previous_handler is not None:
+            signal.signal(signal.SIGTERM, self._previous_handler)
+
+    @property
+    def reason(self) -> str:
+        return REASONS.get(self.code, "nothing")
+
+    def request(self, code: int) -> None:
+        self.code = max(self.code, code)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        if self.code:  # asked twice: do not wait for the step to end
+            raise KeyboardInterrupt("stopped by a second SIGTERM")
+        self.request(SIGNAL)
+
+    def _poll(self) -> None:
+        """The stop file every second; the notice URL every POLL_S seconds."""
+        ticks = 0
+        while not self._done.wait(0 if ticks == 0 else 1.0):
+            if self.stop_file.exists():
+                self.request(REQUEST)
+            if self.notice_url and ticks % int(POLL_S) == 0:
+                notice = spot_notice(self.notice_url)
+                if notice is not None:
+                    self.notice = notice
+                    self.request(NOTICE)
+            ticks += 1
+
+    def agreed(self) -> bool:
+        """Whether every rank stops after this step (called after each step, on every rank)."""
+        code = self.code
+        if self.ctx.world_size > 1:
+            import torch
+            import torch.distributed as dist
+
+            flag = torch.tensor([code], dtype=torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+            code = int(flag.item())
+        self.code = code
+        return code != 0
+
+    def barrier(self) -> None:
+        """Wait until every rank gets here (on the control group)."""
+        if self.ctx.world_size > 1:
+            import torch.distributed as dist
+            dist.barrier(group=self._group)
+
+    def clear(self) -> None:
+        """Forget a handled stop file, so that the resumed run does not stop at once."""
+        self.stop_file.unlink(missing_ok=True)
+
+
+def spot_notice(url: str, timeout: float = 2.0) -> str | None:
+    """The spot interruption notice at `url` ("terminate at 2026-...T...Z"), or None when there
+    is none (404) or the endpoint cannot be reached. Speaks IMDSv2: a session token is asked for
+    first (PUT /latest/api/token); without one the plain GET is tried."""
+    parts = urllib.parse.urlsplit(url)
+    headers = {}
+    try:
+        token_url = f"{parts.scheme}://{parts.netloc}/latest/api/token"
+        request = urllib.request.Request(token_url, method="PUT",
+                                         headers={"X-aws-ec2-metadata-token-ttl-seconds": "300"})
+        with urllib.request.urlopen(request, timeout=timeout) as r:
+            headers["X-aws-ec2-metadata-token"] = r.read().decode().strip()
+    except (OSError, ValueError):
+        pass
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout) as r:
+            body = r.read().decode()
+    except (OSError, ValueError):  # 404 (HTTPError is an OSError): no notice
+        return None
+    try:
+        notice = json.loads(body)
+        return f"{notice.get('action', 'stop')} at {notice.get('time', '?')}"
+    except (ValueError, AttributeError):
+        return body.strip()[:100] or "notice"

@@ -1,0 +1,167 @@
+"""Stopping at a step and resuming there (speedrun.stopping, the engine, the CLI).
+
+Runs are real `speedrun train` processes; the "interruptions" are the real signals, files and
+HTTP answers a scheduler, a person or EC2 gives.
+"""
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from cli_run import start, wait_for
+from speedrun.errors import EXIT_RESUMABLE
+from speedrun.track import read_jsonl
+from test_distributed import env_one_thread, run_cli, write_recipe
+
+pytestmark = pytest.mark.slow
+STEPS_PER_EPOCH = 768 // 32  # write_recipe's defaults: 768 training images, a global batch of 32
+
+
+def lines(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def checkpoint_state(run_dir: Path) -> dict:
+    return torch.load(run_dir / "checkpoint.pt", map_location="cpu", weights_only=False)["state"]
+
+
+def test_a_run_stopped_by_sigterm_resumes_bit_identically(tmp_path):
+    args = ["train", "--recipe", str(write_recipe(tmp_path / "r.py", 1, 32, epochs=6)), "--device", "cpu",
+            "--deterministic", "--log-every", "1"]
+    full = run_cli(*args, "--out", str(tmp_path / "full"))
+    assert full.returncode == 0, full.stderr
+
+    part = tmp_path / "part"
+    proc = start(*args, "--out", str(part), env=env_one_thread())
+    steps = part / "steps.jsonl"
+    wait_for(lambda: lines(steps) >= 30, 300, "30 steps")
+    # Freeze the run where the log says it is mid-epoch, then ask it to stop: it stops after the
+    # step in progress or the next, so at least two steps before the epoch's end.
+    while True:
+        os.kill(proc.pid, signal.SIGSTOP)
+        if 0 < lines(steps) % STEPS_PER_EPOCH < STEPS_PER_EPOCH - 3:
+            break
+        os.kill(proc.pid, signal.SIGCONT)
+        done = lines(steps)
+        wait_for(lambda: lines(steps) > done, 300, "another step")
+    proc.send_signal(signal.SIGTERM)
+    os.kill(proc.pid, signal.SIGCONT)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == EXIT_RESUMABLE, err
+    state = checkpoint_state(part)
+    assert 0 < state["epoch_step"] < STEPS_PER_EPOCH and state["step"] == read_jsonl(steps)[-1]["step"]
+    assert "stopped at step" in out and "on SIGTERM" in out and "--resume" in out
+    assert json.loads((part / "results.json").read_text())["status"] == "stopped"
+
+    resumed = run_cli(*args, "--resume", "--out", str(part))
+    assert resumed.returncode == 0, resumed.stderr
+    a, b = read_jsonl(tmp_path / "full" / "steps.jsonl"), read_jsonl(steps)
+    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, 6 * STEPS_PER_EPOCH + 1))
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]  # bit-identical, before and after the stop
+    final = [json.loads((d / "results.json").read_text())["final"] for d in (tmp_path / "full", part)]
+    assert [{k: f[k] for k in ("loss", "top1", "top5", "count")} for f in final] == [
+        {k: final[0][k] for k in ("loss", "top1", "top5", "count")}] * 2
+
+
+def test_two_processes_stop_together_on_a_stop_file_and_resume(tmp_path):
+    args = ["train", "--recipe", str(write_recipe(tmp_path / "r.py", 2, 32, epochs=20, model="resnet-fmnist-tiny-gn")),
+            "--device", "cpu", "--deterministic", "--log-every", "1", "--nproc-per-node", "2"]
+    full = run_cli(*args, "--out", str(tmp_path / "full"))
+    assert full.returncode == 0, full.stderr
+
+    part = tmp_path / "part"
+    proc = start(*args, "--out", str(part), env=env_one_thread())
+    wait_for(lambda: lines(part / "steps.jsonl") >= 30, 300, "30 steps")
+    (part / "stop").touch()  # a request; every rank stops after the same step
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == EXIT_RESUMABLE, err
+    state = checkpoint_state(part)
+    assert state["step"] == read_jsonl(part / "steps.jsonl")[-1]["step"] < 20 * STEPS_PER_EPOCH
+    assert not (part / "stop").exists()  # handled: the resumed run does not stop at once
+
+    resumed = run_cli(*args, "--resume", "--out", str(part))
+    assert resumed.returncode == 0, resumed.stderr
+    a, b = read_jsonl(tmp_path / "full" / "steps.jsonl"), read_jsonl(part / "steps.jsonl")
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for x, y in zip(a, b):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-5), x["step"]  # float noise of two processes at most
+
+
+class NoticeServer(http.server.ThreadingHTTPServer):
+    """EC2's instance metadata for a spot instance, on 127.0.0.1: IMDSv2's token, then 404 at
+    spot/instance-action until `notice` is set (then 200 with it)."""
+
+    def __init__(self):
+        self.notice: dict | None = None
+        self.polls = 0
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_PUT(h):
+                h.send_response(200)
+                h.end_headers()
+                h.wfile.write(b"test-token")
+
+            def do_GET(h):
+                self.polls += 1
+                ok = h.path == "/latest/meta-data/spot/instance-action" and self.notice is not None
+                ok = ok and h.headers.get("X-aws-ec2-metadata-token") == "test-token"
+                h.send_response(200 if ok else 404)
+                h.end_headers()
+                if ok:
+                    h.wfile.write(json.dumps(self.notice).encode())
+
+            def log_message(h, *args):
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}/latest/meta-data/spot/instance-action"
+
+
+def test_a_spot_notice_makes_a_running_job_checkpoint_and_exit_resumable(tmp_path):
+    server = NoticeServer()
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        run = tmp_path / "run"
+        proc = start("train", "--recipe", str(write_recipe(tmp_path / "r.py", 1, 32, epochs=100)), "--device", "cpu",
+                     "--log-every", "1", "--spot-notice-url", server.url, "--out", str(run), env=env_one_thread())
+        wait_for(lambda: lines(run / "steps.jsonl") >= 10 and server.polls >= 1, 300, "training and a first poll")
+        server.notice = {"action": "terminate", "time": "2026-12-01T12:00:00Z"}  # two minutes from "now" on EC2
+        out, err = proc.communicate(timeout=120)  # the notice's window
+    finally:
+        server.shutdown()
+    assert proc.returncode == EXIT_RESUMABLE, err
+    assert "on a spot interruption notice (terminate at 2026-12-01T12:00:00Z)" in out
+    assert checkpoint_state(run)["step"] == read_jsonl(run / "steps.jsonl")[-1]["step"]
+    assert json.loads((run / "results.json").read_text())["status"] == "stopped"
+
+
+def test_minute_checkpoints_are_written_mid_epoch_and_resume_from_there(tmp_path):
+    recipe = str(write_recipe(tmp_path / "r.py", 1, 32, epochs=2))
+    args = ["train", "--recipe", recipe, "--device", "cpu", "--deterministic", "--log-every", "1"]
+    full = run_cli(*args, "--out", str(tmp_path / "full"))
+    assert full.returncode == 0, full.stderr
+    # No epoch checkpoints, one every 0.06 s: the last one on disk is from within the last epoch.
+    part = tmp_path / "part"
+    mid = run_cli(*args, "--checkpoint-every", "0", "--checkpoint-every", "0.001m", "--out", str(part))
+    assert mid.returncode == 0, mid.stderr
+    state = checkpoint_state(part)
+    assert state["epoch"] == 1 and 0 < state["epoch_step"] <= STEPS_PER_EPOCH
+    resumed = run_cli(*args, "--resume", "--out", str(part))
+    assert resumed.returncode == 0, resumed.stderr
+    assert [r["loss"] for r in read_jsonl(part / "steps.jsonl")] == [r["loss"] for r in read_jsonl(tmp_path / "full" / "steps.jsonl")]
+
+
+def test_a_bad_checkpoint_interval_is_one_line(tmp_path):
+    r = run_cli("train", "--recipe", "tiny", "--device", "cpu", "--checkpoint-every", "soon", "--out", str(tmp_path / "x"))
+    assert r.returncode == 2 and r.stderr.strip() == (
+        "speedrun: error: bad --checkpoint-every 'soon': give epochs (0 or more) or minutes, e.g. 10m")
