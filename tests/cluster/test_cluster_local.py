@@ -223,6 +223,19 @@ def test_sync_copies_the_tree_without_git_data_and_runs(local_job, tmp_path):
     assert job2[0].run("find . -type f | sort").output.split() == ["./new.py", "./pkg/mod.py"]
 
 
+def test_sync_keeps_what_the_setup_made_when_the_setup_is_skipped(local_job, tmp_path):
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "train.py").write_text("train")
+    (tree / "old.py").write_text("old")
+    setup = "echo built > built.txt\n"  # runs in the synced code directory, once
+    job = local_job(sync=tree, setup=setup)
+    assert job[0].run("cat built.txt").output == "built\n"
+    (tree / "old.py").unlink()
+    job2 = local_job(sync=tree, setup=setup)  # a new run: synced again, setup unchanged so skipped
+    assert job2[0].run("find . -type f | sort").output.split() == ["./built.txt", "./train.py"]
+
+
 def test_status_logs_and_kill(local_job, tmp_path):
     job = local_job(num_tasks=2)
     assert [s.state for s in job.status()] == ["idle", "idle"]

@@ -46,6 +46,27 @@ exit 4"""
         job[0].run(text)
 
 
+def test_a_mirror_deletes_what_it_put_there_before_and_nothing_else(ssh_job, tmp_path):
+    t = ssh_job(num_tasks=1)[0]
+    src = tmp_path / "src"
+    (src / "pkg").mkdir(parents=True)
+    for rel in ("keep.py", "pkg/gone.py", "pkg/stays.py", "name with space.py"):
+        (src / rel).write_text(rel)
+    for use_rsync in (True, False):  # rsync over ssh, and tar through ssh for hosts without rsync
+        t.host._rsync = use_rsync
+        dest = t.path(f"mirror-{use_rsync}")
+        t.host.put(src, dest, mirror=True)
+        t.run(f"echo made > '{dest}/pkg/made-there.txt'")  # as a setup script would
+        (src / "pkg" / "gone.py").unlink()
+        (src / "name with space.py").unlink()
+        t.host.put(src, dest, mirror=True)
+        found = t.run(f"cd '{dest}' && find . -type f | sort").output.split("\n")
+        assert found == ["./keep.py", "./pkg/made-there.txt", "./pkg/stays.py", ""]
+        for rel in ("pkg/gone.py", "name with space.py"):
+            (src / rel).write_text(rel)
+    t.host._rsync = None
+
+
 def test_upload_and_download(ssh_job, tmp_path):
     job = ssh_job(num_tasks=1)
     t = job[0]
@@ -226,3 +247,29 @@ def test_speedrun_tb_ended_by_a_signal_stops_tensorboard_on_the_host(ssh_job, si
         tb.kill()
     command = job[0].command("tensorboard")
     assert command is not None and command.state() == "killed"
+
+
+def test_a_partitioned_host_is_reported_while_the_reachable_one_is_served(ssh_job, netns, capsys):
+    from speedrun.cli import main
+    job = ssh_job()
+    job.run("echo started; sleep 300", background=True, name="train")
+    # The network to host 1 goes silent (its link down): packets are dropped, nothing is refused.
+    netns.hosts[1].exec(["ip", "link", "set", "eth0", "down"], check=True)
+    try:
+        capsys.readouterr()
+        assert main(["ls", job.name]) == 0
+        out = capsys.readouterr().out.splitlines()
+        assert [ln.split()[3] for ln in out[1:3]] == ["running", "unreachable"]
+        assert out[3].startswith(f"  {job.name} task 1: ") and "did not finish within 5 s" in out[3]
+
+        assert main(["logs", job.name]) == 0
+        logs = capsys.readouterr().out
+        assert "[0] started" in logs and f"[1] (task 1 ({netns.specs[1]}) is unreachable: " in logs
+
+        assert main(["kill", job.name]) == 2
+        captured = capsys.readouterr()
+        assert "killed job" in captured.out and "(1 of 2 task(s))" in captured.out
+        assert f"task 1 ({netns.specs[1]}) is unreachable" in captured.err
+        assert job[0].command("train").state() == "killed"  # the reachable task was killed all the same
+    finally:
+        netns.hosts[1].exec(["ip", "link", "set", "eth0", "up"], check=True)

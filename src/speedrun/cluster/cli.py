@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from speedrun.errors import EXIT_FAILED, SpeedrunError, stop_on_sigterm
+from speedrun.errors import EXIT_BAD_INPUT, EXIT_FAILED, SpeedrunError, stop_on_sigterm
 
 
 
@@ -222,16 +222,21 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return 0
     rows = [("JOB", "TASK", "HOST", "STATE", "UPTIME", "RUN DIR")]
     money = [("JOB", "MACHINES", "MARKET", "RUNNING", "UPTIME", "PRICE", "COST SO FAR", "PRICES FROM")]
+    why = []  # one line per unreachable task, after the table
     for rec in records:
         job = open_job(rec.name, probe=False)
         for st in job.status(args.window):
             rows.append((rec.name, str(st.index), st.host, st.state, format_uptime(st.uptime_s), rec.run_dir))
+            if st.error:
+                why.append(f"{rec.name} task {st.index}: {st.error}")
         b = job.provider.billing()
         if b is not None:
             money.append((rec.name, b.instance_type, b.market, str(b.count), format_uptime(b.uptime_s),
                           "?" if b.price_per_hour is None else f"${b.price_per_hour:,.2f}/h",
                           "?" if b.cost is None else f"${b.cost:,.2f}", b.price_source))
     print_rows(rows)
+    for line in why:
+        print(f"  {line}")
     if len(money) > 1:
         print()
         print_rows(money)
@@ -267,9 +272,12 @@ def cmd_kill(args: argparse.Namespace) -> int:
     from speedrun.cluster.lifecycle import open_job
 
     job = open_job(args.name, probe=False)
-    job.kill()
-    print(f"killed job {job.name} ({len(job)} task(s)); its logs stay in {job.run_dir}")
-    return 0
+    unreachable = job.kill()
+    for line in unreachable:
+        print(f"speedrun: {line}", file=sys.stderr)
+    killed = len(job) - len(unreachable)
+    print(f"killed job {job.name} ({killed} of {len(job)} task(s)); its logs stay in {job.run_dir}")
+    return EXIT_BAD_INPUT if unreachable else 0
 
 
 def cmd_down(args: argparse.Namespace) -> int:

@@ -10,10 +10,11 @@ carry (and anything secret in them) do not show up in `ps` on either machine.
 """
 from __future__ import annotations
 
+import fnmatch
 import os
+import shlex
 import shutil
 import subprocess
-import tempfile
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,7 +67,8 @@ class Host(ABC):
         """Copy a local file or directory to the absolute path `remote` on the host.
 
         A directory's contents land in `remote` (made if missing). `exclude` holds rsync-style name
-        patterns to leave out; `mirror` also deletes files in `remote` that `local` does not have.
+        patterns to leave out; `mirror` also deletes the files an earlier mirror put in `remote`
+        that `local` no longer has (files made there otherwise, by a setup script, stay).
         """
 
     @abstractmethod
@@ -112,7 +114,9 @@ class LocalHost(Host):
         return p
 
     def put(self, local: Path, remote: str, *, exclude: Sequence[str] = (), mirror: bool = False) -> None:
-        copy_path(Path(local), Path(remote), exclude=exclude, mirror=mirror)
+        copy_path(Path(local), Path(remote), exclude=exclude)
+        if mirror:
+            run_prune(self, Path(local), remote, exclude)
 
     def get(self, remote: str, local: Path) -> None:
         copy_path(Path(remote), Path(local))
@@ -144,21 +148,47 @@ class AbsentHost(Host):
         raise SpeedrunError(self.why)
 
 
-def copy_path(src: Path, dst: Path, *, exclude: Sequence[str] = (), mirror: bool = False) -> None:
+def copy_path(src: Path, dst: Path, *, exclude: Sequence[str] = ()) -> None:
     """Copy a file or directory tree from src to dst on this machine (see Host.put)."""
     if not src.exists():
         raise SpeedrunError(f"{src} does not exist")
     dst.parent.mkdir(parents=True, exist_ok=True)
     if src.is_dir():
-        if mirror and dst.exists():
-            # Copy next to dst, then swap, so that dst is never half-made.
-            tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
-            shutil.copytree(src, tmp, ignore=shutil.ignore_patterns(*exclude), symlinks=True, dirs_exist_ok=True)
-            old = dst.with_name(f".{dst.name}.old.{os.getpid()}")
-            dst.rename(old)
-            tmp.rename(dst)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            shutil.copytree(src, dst, ignore=shutil.ignore_patterns(*exclude), symlinks=True, dirs_exist_ok=True)
+        shutil.copytree(src, dst, ignore=shutil.ignore_patterns(*exclude), symlinks=True, dirs_exist_ok=True)
     else:
         shutil.copy2(src, dst)
+
+
+def tree_files(root: Path, exclude: Sequence[str]) -> list[str]:
+    """The relative paths of the files a copy of `root` without `exclude` (name patterns matched
+    against every path component, as rsync's are) carries, sorted."""
+    found = []
+    for directory, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if not any(fnmatch.fnmatch(d, p) for p in exclude)]
+        for name in names:
+            if not any(fnmatch.fnmatch(name, p) for p in exclude):
+                found.append(os.path.relpath(os.path.join(directory, name), root))
+    return sorted(found)
+
+
+def run_prune(host: Host, local: Path, remote: str, exclude: Sequence[str]) -> None:
+    """After copying `local` to `remote` on `host` without deleting anything: delete the files the
+    previous mirror put there (listed in `<remote>.synced`) that `local` no longer has, and list
+    this copy's files there. Files that something else made in `remote` are left alone."""
+    if not local.is_dir():
+        return
+    q = shlex.quote(remote.rstrip("/"))
+    listing = "\n".join(tree_files(local, exclude))
+    script = f"""set -e
+new=$(mktemp)
+cat > "$new" <<'SPEEDRUN_SYNCED_EOF'
+{listing}
+SPEEDRUN_SYNCED_EOF
+if [ -f {q}.synced ]; then
+  sort {q}.synced | comm -23 - <(sort "$new") | while IFS= read -r f; do [ -n "$f" ] && rm -f -- {q}/"$f"; done
+fi
+mv "$new" {q}.synced
+"""
+    r = host.shell(script)
+    if r.returncode != 0:
+        raise SpeedrunError(f"cannot remove deleted files from {host.name}:{remote}: {r.stderr.strip()[-200:]}")

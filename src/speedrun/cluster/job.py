@@ -31,6 +31,10 @@ log = logging.getLogger("speedrun.cluster")
 DEFAULT_SYNC_EXCLUDE = (".git", "data", "runs", "__pycache__", "*.egg-info", ".venv", "venv", ".pytest_cache",
                         ".mypy_cache", ".ruff_cache", "build", "dist")
 
+# How long whole-job commands (ls, kill, logs) wait for one host before they report it unreachable
+# and go on with the others, seconds.
+REACH_TIMEOUT_S = 5.0
+
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -72,6 +76,7 @@ class TaskStatus:
     state: str  # running, succeeded, failed (N), killed, lost, idle (session, nothing launched), stopped, unreachable
     uptime_s: float | None  # age of the task's tmux session, seconds
     log: str | None
+    error: str | None = None  # why it is unreachable
 
 
 class Job:
@@ -199,9 +204,9 @@ class Job:
         """Each task's state: that of its newest `name` command, else whether its session is up."""
         def one(t: Task) -> TaskStatus:
             try:
-                r = t.host.shell(tmux.task_status(t.tmux_socket, t.session, t.logdir, name))
-            except SpeedrunError:
-                return TaskStatus(t.index, t.host.name, "unreachable", None, None)
+                r = t.host.shell(tmux.task_status(t.tmux_socket, t.session, t.logdir, name), timeout=REACH_TIMEOUT_S)
+            except SpeedrunError as e:
+                return TaskStatus(t.index, t.host.name, "unreachable", None, None, str(e))
             f = tmux.parse_fields(r.text)
             uptime = float(int(f["now"]) - int(f["created"])) if f.get("created") and f.get("now") else None
             s = f.get("status")
@@ -214,9 +219,16 @@ class Job:
             return TaskStatus(t.index, t.host.name, state, uptime, f"{f['dir']}/log" if "dir" in f else None)
         return parallel(one, self.tasks)
 
-    def kill(self) -> None:
-        """Kill every task's tmux session and the commands in it (logs and the run directory stay)."""
-        parallel(lambda t: t.kill(), self.tasks)
+    def kill(self) -> list[str]:
+        """Kill every reachable task's tmux session and the commands in it (logs and the run
+        directory stay); a line for each task that could not be reached (none: all killed)."""
+        def one(t: Task) -> str | None:
+            try:
+                t.kill(timeout=REACH_TIMEOUT_S)
+                return None
+            except SpeedrunError as e:
+                return f"task {t.index} ({t.host.name}) is unreachable: {e}"
+        return [line for line in parallel(one, self.tasks) if line]
 
     def logs(self, name: str = "train", *, follow: bool = False, out: TextIO | None = None,
              tasks: Sequence[int] | None = None) -> None:
@@ -224,7 +236,13 @@ class Job:
         `[i] ` when there are several tasks; with follow, keep writing until the commands end."""
         out = out or sys.stdout
         chosen = [self.tasks[i] for i in tasks] if tasks is not None else self.tasks
-        commands = parallel(lambda t: t.command(name), chosen)
+
+        def find(t: Task) -> Command | SpeedrunError | None:
+            try:
+                return t.command(name, timeout=REACH_TIMEOUT_S)
+            except SpeedrunError as e:  # said in its place; the other tasks' logs still come
+                return e
+        commands = parallel(find, chosen)
         lock = threading.Lock()
 
         def emit(t: Task, data: bytes) -> None:
@@ -235,9 +253,11 @@ class Job:
                     out.write(prefix + line)
                 out.flush()
 
-        def one(pair: tuple[Task, Command | None]) -> None:
+        def one(pair: tuple[Task, Command | SpeedrunError | None]) -> None:
             t, c = pair
-            if c is None:
+            if isinstance(c, SpeedrunError):
+                emit(t, f"(task {t.index} ({t.host.name}) is unreachable: {c})\n".encode())
+            elif c is None:
                 emit(t, f"(no command named {name!r} on task {t.name})\n".encode())
             elif not follow:
                 emit(t, c.output().encode())

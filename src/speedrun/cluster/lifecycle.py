@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 from speedrun.cluster import registry, tmux
 from speedrun.cluster.hosts import Host
-from speedrun.cluster.job import DEFAULT_SYNC_EXCLUDE, Job, parallel
+from speedrun.cluster.job import DEFAULT_SYNC_EXCLUDE, REACH_TIMEOUT_S, Job, parallel
 from speedrun.cluster.provider import Provider
 from speedrun.cluster.providers import make_provider, provider_from_record
 from speedrun.cluster.ssh import SSHOptions
@@ -53,9 +53,11 @@ class TaskProbe:
         """Names of the windows whose commands are still running (the idle shell does not count)."""
         return [name for alive, name in self.windows if alive and name != "shell"]
 
-def probe_task(host: Host, socket: str, session: str, index: int, setup_mark: str) -> TaskProbe:
-    """Look at task `index`'s host in one round trip (see tmux.probe); SpeedrunError if it can't serve."""
-    r = host.shell(tmux.probe(socket, session, index, setup_mark, local=host.is_local))
+def probe_task(host: Host, socket: str, session: str, index: int, setup_mark: str,
+               timeout: float | None = None) -> TaskProbe:
+    """Look at task `index`'s host in one round trip (see tmux.probe); SpeedrunError if it can't serve
+    (or does not answer within `timeout` seconds)."""
+    r = host.shell(tmux.probe(socket, session, index, setup_mark, local=host.is_local), timeout=timeout)
     f = tmux.parse_fields(r.text)
     if r.returncode != 0 or "home" not in f:
         raise SpeedrunError(f"cannot inspect {host.name}: {tmux_message(r.stderr)}")
@@ -191,7 +193,7 @@ def open_job(name: str, config_dir: str | os.PathLike | None = None, *, probe: b
         p = None
         if probe:
             try:
-                p = probe_task(hosts_[i], rec.tmux_socket, sessions[i], i, "/dev/null")
+                p = probe_task(hosts_[i], rec.tmux_socket, sessions[i], i, "/dev/null", timeout=REACH_TIMEOUT_S)
             except SpeedrunError:
                 pass  # unreachable: status says so; other operations raise when they try it
         home_ = p.home if p else "~"

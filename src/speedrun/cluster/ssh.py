@@ -25,13 +25,14 @@ import stat
 import subprocess
 import tempfile
 import threading
+import time
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 from speedrun.cluster import registry
-from speedrun.cluster.hosts import Host, ShellResult
+from speedrun.cluster.hosts import Host, ShellResult, run_prune
 from speedrun.errors import SpeedrunError, last_line
 
 log = logging.getLogger("speedrun.cluster")
@@ -163,16 +164,22 @@ class SSHHost(Host):
         return ["ssh", *self.ssh_options(), "-o", "ControlMaster=no", *extra, self.spec.destination]
 
     # --- connection ---
-    def connect(self) -> None:
-        """Open the master connection unless one is up; raise SpeedrunError when the host can't be reached."""
+    def connect(self, timeout: float | None = None) -> None:
+        """Open the master connection unless one is up; raise SpeedrunError when the host can't be
+        reached (within `timeout` seconds, if given)."""
+        limit = self.options.connect_timeout + 30 if timeout is None else max(timeout, 0.1)
         with self._lock:
             if self.control_path.exists():
                 if self._checked:
                     return
                 # Once per process: a socket left by a master that was killed would make every
                 # command fall back to a slow new connection, silently.
-                check = subprocess.run(["ssh", *self.ssh_options(), "-O", "check", self.spec.destination],
-                                       stdin=subprocess.DEVNULL, capture_output=True, timeout=30)
+                try:
+                    check = subprocess.run(["ssh", *self.ssh_options(), "-O", "check", self.spec.destination],
+                                           stdin=subprocess.DEVNULL, capture_output=True, timeout=min(30, limit))
+                except subprocess.TimeoutExpired:
+                    raise SpeedrunError(f"cannot connect to {self.name}: its connection did not answer within "
+                                        f"{min(30, limit):g} s") from None
                 if check.returncode == 0:
                     self._checked = True
                     return
@@ -183,10 +190,10 @@ class SSHHost(Host):
                         "-o", f"ControlPersist={CONTROL_PERSIST_S}", "-f", "-N", self.spec.destination]
                 try:
                     r = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
-                                       timeout=self.options.connect_timeout + 30)
+                                       timeout=limit)
                 except subprocess.TimeoutExpired:
                     raise SpeedrunError(f"cannot connect to {self.name}: no answer within "
-                                        f"{self.options.connect_timeout + 30} s; check the address and network")
+                                        f"{limit:g} s; check the address and network") from None
                 err.seek(0)
                 stderr = err.read().decode("utf-8", errors="replace")
             if r.returncode != 0:
@@ -214,10 +221,11 @@ class SSHHost(Host):
 
     # --- Host interface ---
     def shell(self, script: str, *, timeout: float | None = None) -> ShellResult:
-        self.connect()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self.connect(timeout)  # within the same limit: a host that went silent answers nothing
         try:
             r = subprocess.run(self.ssh_argv("-T") + ["bash -s"], input=script.encode(), capture_output=True,
-                               timeout=timeout)
+                               timeout=None if deadline is None else max(deadline - time.monotonic(), 0.1))
         except subprocess.TimeoutExpired as e:
             raise SpeedrunError(f"a command on {self.name} did not finish within {timeout:g} s") from e
         stderr = r.stderr.decode("utf-8", errors="replace")
@@ -259,24 +267,27 @@ class SSHHost(Host):
             src = f"{local}/" if local.is_dir() else str(local)
             dst = remote.rstrip("/") + "/" if local.is_dir() else remote
             parent = remote.rstrip("/") if local.is_dir() else os.path.dirname(remote) or "."
-            argv = ["rsync", "-a", *(["--delete"] if mirror else []), *(f"--exclude={p}" for p in exclude),
+            argv = ["rsync", "-a", *(f"--exclude={p}" for p in exclude),
                     "-e", shlex.join(["ssh", *self.ssh_options(), "-o", "ControlMaster=no"]),
                     f"--rsync-path=mkdir -p {shlex.quote(parent)} && rsync",
                     src, f"{self.rsync_destination()}:{dst}"]
             self._run_transfer(argv, f"upload {local} to {self.name}:{remote}")
+            if mirror:
+                run_prune(self, local, remote, exclude)
             return
-        # tar through ssh: pack here, unpack there (into a fresh directory when mirroring).
+        # tar through ssh: pack here, unpack there.
         if local.is_dir():
             pack = ["tar", "-C", str(local), *(f"--exclude={p}" for p in exclude), "-cf", "-", "."]
             q = shlex.quote(remote.rstrip("/"))
-            unpack = (f"rm -rf {q}.new && mkdir -p {q}.new && tar -C {q}.new -xf - && rm -rf {q} && mv {q}.new {q}"
-                      if mirror else f"mkdir -p {q} && tar -C {q} -xf -")
+            unpack = f"mkdir -p {q} && tar -C {q} -xf -"
         else:
             pack = ["tar", "-C", str(local.parent), "-cf", "-", local.name]
             tmp = shlex.quote(remote + ".speedrun-tmp")
             unpack = (f"rm -rf {tmp} && mkdir -p {tmp} && tar -C {tmp} -xf - && "
                       f"mv -f {tmp}/{shlex.quote(local.name)} {shlex.quote(remote)} && rmdir {tmp}")
         self._pipe(pack, self.ssh_argv("-T") + [unpack], f"upload {local} to {self.name}:{remote}")
+        if mirror:
+            run_prune(self, local, remote, exclude)
 
     def get(self, remote: str, local: Path) -> None:
         local = Path(local)

@@ -143,9 +143,9 @@ class Task:
                                 result.output)
         return result
 
-    def command(self, name: str) -> "Command | None":
-        """The newest command of that name in this run, or None."""
-        fields = tmux.parse_fields(self._shell(tmux.latest_command(self.logdir, check_name(name))))
+    def command(self, name: str, timeout: float | None = None) -> "Command | None":
+        """The newest command of that name in this run, or None (timeout: seconds to wait for the host)."""
+        fields = tmux.parse_fields(self._shell(tmux.latest_command(self.logdir, check_name(name)), timeout))
         return Command(self, name, fields["dir"], None) if "dir" in fields else None
 
     # --- files ---
@@ -214,9 +214,9 @@ class Task:
         env = {k: v for k, v in os.environ.items() if k != "TMUX"}  # allowed even when run inside tmux
         return subprocess.call(self.attach_argv(window), env=env)
 
-    def kill(self) -> bool:
+    def kill(self, timeout: float | None = None) -> bool:
         """Kill the task's tmux session and the commands in it; True if there was one."""
-        return "killed" in tmux.parse_fields(self._shell(tmux.kill_session(self.tmux_socket, self.session)))
+        return "killed" in tmux.parse_fields(self._shell(tmux.kill_session(self.tmux_socket, self.session), timeout))
 
     def _shell(self, script: str, timeout: float | None = None) -> str:
         r = self.host.shell(script, timeout=timeout)
