@@ -231,13 +231,13 @@ class NetnsCluster:
         return host
 
     def remove_host(self, host: NetnsHost) -> None:
-        """Take a host down as a machine goes away: its processes, namespace and link."""
-        if host.sshd is not None and host.sshd.poll() is None:
-            host.sshd.terminate()
+        """Take a host down as a machine vanishes: every process in it killed at once (SIGKILL: no
+        chance to clean up, as in a power loss), then its namespace and link."""
+        kill_namespace_processes(host.namespace, signals=(signal.SIGKILL,))
+        if host.sshd is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 host.sshd.wait(timeout=10)
         host.sshd = None
-        kill_namespace_processes(host.namespace)
         ip("netns", "del", host.namespace, check=False)
         if Path(f"/sys/class/net/{self._veth_root(host.index)}").exists():
             ip("link", "del", self._veth_root(host.index), check=False)
@@ -296,13 +296,15 @@ class NetnsCluster:
             ip("link", "del", self._bridge(), check=False)
 
 
-def kill_namespace_processes(namespace: str, timeout: float = 10.0) -> None:
-    """SIGTERM, then SIGKILL, every process in a network namespace (sshd children, tmux servers...)."""
+def kill_namespace_processes(namespace: str, timeout: float = 10.0,
+                             signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGKILL)) -> None:
+    """Each of `signals` in turn (until none is left) to every process in a network namespace
+    (sshd children, tmux servers...)."""
     def pids() -> list[int]:
         out = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True).stdout
         return [int(p) for p in out.split()]
 
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+    for sig in signals:
         for pid in pids():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)

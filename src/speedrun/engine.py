@@ -168,6 +168,9 @@ def run_epochs(
         state.train_s = clock.train_s()
         results = build_results(cfg, ctx, source, state, evals, status, clock.session_start, learner.precision)
         results["last_checkpoint"] = writer.last_written  # complete on disk; None: none
+        # What `speedrun launch --recover` did to keep the run going (speedrun.cluster.recovery).
+        recoveries = out / "recoveries.jsonl"
+        results["recoveries"] = read_jsonl(recoveries) if recoveries.exists() else []
         try:
             tracker.write_results(results)
             tracker.plot(evals, dataclasses.asdict(recipe.target) if recipe.target else None)

@@ -211,7 +211,7 @@ def build_results(
     recipe = cfg.recipe
     final = evals[-1] if evals else None
     return {
-        "status": status,  # running (written after each evaluation), target_reached, finished, interrupted or failed
+        "status": status,  # running (written after each evaluation), target_reached, finished, stopped, interrupted or failed
         "recipe": recipe.to_dict(),
         "target": dataclasses.asdict(recipe.target) if recipe.target else None,
         "reached_target": state.time_to_target_s is not None,

@@ -7,6 +7,7 @@ the test server.
 """
 from __future__ import annotations
 
+import json
 import os
 import stat
 import subprocess
@@ -291,3 +292,29 @@ def test_launch_ls_logs_kill_down_from_the_command_line(aws, job_name, tmp_path,
     assert len(live(job_instances(aws, job_name))) == 2  # kill ends the commands, not the machines
     assert main(["down", job_name]) == 0
     assert live(job_instances(aws, job_name)) == [] and not registry.exists(job_name)
+
+
+@pytest.mark.slow
+def test_an_instance_terminated_mid_run_is_replaced_and_the_run_finishes(aws, efs_mount, job_name):
+    from cli_run import wait_for
+    from speedrun.track import read_jsonl
+    from test_cluster_recovery import start_watch
+
+    job = make_job(job_name, 2, **options(aws, shared_storage=True, efs_mount=efs_mount))
+    job.launch([*TRAIN, "--epochs", "8", "--out", job.run_dir], env=ONE_THREAD)
+    thread, outcome = start_watch(job)
+    wait_for(lambda: Path(job.run_dir, "checkpoint.pt").exists(), 300, "the first checkpoint")
+    old = next(i for i in live(job_instances(aws, job_name)) if aws_provider.tag_value(i, "speedrun:task") == "1")
+    aws.client().terminate_instances(InstanceIds=[old["InstanceId"]])  # as a spot reclaim would
+    thread.join(timeout=900)
+    try:
+        assert not thread.is_alive() and "error" not in outcome, outcome
+        assert [s.state for s in outcome["states"]] == ["succeeded", "succeeded"]
+        new = next(i for i in live(job_instances(aws, job_name)) if aws_provider.tag_value(i, "speedrun:task") == "1")
+        assert new["InstanceId"] != old["InstanceId"] and job[1].ip == new["PrivateIpAddress"] != old["PrivateIpAddress"]
+        (event,) = read_jsonl(Path(job.run_dir) / "recoveries.jsonl")
+        assert event["replaced"] == {"1": [f"root@{old['PrivateIpAddress']}", f"root@{new['PrivateIpAddress']}"]}
+        results = json.loads(Path(job.run_dir, "results.json").read_text())
+        assert results["status"] == "finished" and results["epochs_run"] == 8 and len(results["recoveries"]) == 1
+    finally:
+        main(["down", job_name])

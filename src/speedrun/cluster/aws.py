@@ -665,6 +665,14 @@ class AWSProvider(Provider):
         return (f"the vCPU quota '{name}' ({code}) in {self.session.region} is too small for {asked} "
                 f"({error_code(error)}); ask AWS for more: Service Quotas > Amazon EC2 > {name}")
 
+    def replace(self, index: int, count: int) -> Host:
+        """A new instance for task `index` (the lost one is terminated if it still exists)."""
+        lost = self.session.job_instances(self.job).get(index)
+        if lost is not None:
+            self.session.terminate([lost["InstanceId"]])
+        self._hosts = self.bring_up(count)
+        return self._hosts[index]
+
     def environment(self) -> dict[str, str]:
         # A spot instance gets two minutes' notice: `speedrun train` then stops at a step, resumable.
         return {NOTICE_ENV: IMDS_NOTICE_URL} if self.config.spot else {}

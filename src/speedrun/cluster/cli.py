@@ -100,6 +100,10 @@ def add_launch_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--restart", action="store_true", help="replace the job if it is running")
     p.add_argument("--follow", action="store_true", help="print the logs until the job ends; exit 3 if it failed")
     p.add_argument("--wait", action="store_true", help="wait until the job ends; exit 3 if it failed")
+    p.add_argument("--recover", action="store_true",
+                   help="watch the job until it ends (as --wait) and keep it going: replace lost hosts (ssh: the "
+                        "spare hosts listed beyond the tasks; aws: new instances) and resume from the checkpoint")
+    p.add_argument("--max-restarts", type=int, default=3, help="with --recover: at most this many recoveries (default 3)")
     g = p.add_argument_group("ssh")
     g.add_argument("--identity", type=Path, help="private key (default: ssh's own choice and agent)")
     g.add_argument("--known-hosts", type=Path,
@@ -192,6 +196,11 @@ def cmd_launch(args: argparse.Namespace) -> int:
     print(f"job {job.name}: {len(job)} task(s), run dir {job.run_dir}: {state}")
     print(f"  logs:   speedrun logs {job.name} -f\n  attach: speedrun attach {job.name} [TASK]\n"
           f"  stop:   speedrun kill {job.name}")
+    if args.recover:
+        from speedrun.cluster.recovery import watch
+        watch(job, args.window, max_restarts=args.max_restarts)
+        print(f"job {job.name}: every task succeeded; recoveries, if any, are in {job.run_dir}/recoveries.jsonl")
+        return 0
     if not (args.follow or args.wait):
         return 0
     if args.follow:

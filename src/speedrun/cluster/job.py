@@ -67,6 +67,28 @@ echo "$dev"
     return device if r.returncode == 0 and device and device != "lo" else None
 
 
+@dataclass(frozen=True)
+class HostSetup:
+    """How make_job prepared the job's hosts (tmux server, synced code, setup script): what a host
+    that replaces a lost one gets too (see lifecycle.replace_task)."""
+
+    tmux_socket: str
+    host_dir: str
+    sync: Path | None
+    sync_exclude: tuple[str, ...]
+    setup: str | None
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What `Job.launch` started: enough to start it again on replaced hosts."""
+
+    command: str  # shell text after torchrun's options
+    nproc_per_node: int
+    name: str
+    env: dict[str, str]
+
+
 @dataclass
 class TaskStatus:
     """One line of `speedrun ls`."""
@@ -83,10 +105,12 @@ class Job:
     """A job's tasks and run directory; see make_job. Methods act on all tasks in parallel."""
 
     def __init__(self, name: str, tasks: list[Task], run_dir: str, provider: Provider, *, python: str,
-                 reconnected: bool):
+                 reconnected: bool, host_setup: HostSetup | None = None):
         self.name, self.tasks, self.run_dir, self.provider = name, tasks, run_dir, provider
         self.python = python
         self.reconnected = reconnected  # True when make_job found this job running and joined it
+        self.host_setup = host_setup  # None: found again by open_job, which does not know it
+        self.launched: Launch | None = None  # the last launch of this process
 
     def __len__(self) -> int:
         return len(self.tasks)
@@ -123,7 +147,7 @@ class Job:
 
     # --- distributed training ---
     def launch(self, command: str | Sequence[str], *, nproc_per_node: int = 1, name: str = "train",
-               env: Mapping[str, str] | None = None) -> list[Command]:
+               env: Mapping[str, str] | None = None, restart: bool = False) -> list[Command]:
         """Start one torchrun per task: `torchrun --nnodes N --node-rank i --nproc-per-node P
         --master-addr <task 0> --master-port <free port there> COMMAND`, in a window named `name`.
 
@@ -133,7 +157,8 @@ class Job:
         jobs on AWS: SPEEDRUN_SPOT_NOTICE_URL), plus `env`.
 
         If the job already runs a command of this name, nothing is started: the running commands are
-        returned (reconnecting). Returns one Command per task.
+        returned (reconnecting); restart=True starts it again once those have ended (a recovery).
+        Returns one Command per task.
         """
         check_name(name)
         if nproc_per_node < 1:
@@ -141,13 +166,15 @@ class Job:
         existing = parallel(lambda t: t.command(name), self.tasks)
         states = parallel(lambda c: c.state() if c else None, existing)
         running = [i for i, s in enumerate(states) if s == "running"]
+        if running and restart:
+            raise SpeedrunError(f"job {self.name}: {name!r} still runs on tasks {running}; stop it before restarting")
         if running:
             if len(running) != len(self.tasks):
                 raise SpeedrunError(f"job {self.name}: {name!r} runs on tasks {running} but not on the others; "
                                     f"kill the job (speedrun kill {self.name}) or relaunch with restart")
             log.info("job %s: %r is already running; reconnected", self.name, name)
             return [c for c in existing if c is not None]
-        if self.reconnected and all(states):
+        if self.reconnected and all(states) and not restart:
             log.info("job %s: %r already ran in %s; pass restart=True to run it again", self.name, name, self.run_dir)
             return [c for c in existing if c is not None]
 
@@ -155,6 +182,7 @@ class Job:
         master = self.tasks[0].ip if n > 1 else "127.0.0.1"
         port = self.free_port()
         text = command if isinstance(command, str) else shlex.join(command)
+        self.launched = Launch(text, nproc_per_node, name, dict(env or {}))
 
         def start(t: Task) -> Command:
             torchrun = (f"{self.python} -m torch.distributed.run --nnodes={n} --node-rank={t.index} "

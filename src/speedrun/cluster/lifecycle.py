@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 from speedrun.cluster import registry, tmux
 from speedrun.cluster.hosts import Host
-from speedrun.cluster.job import DEFAULT_SYNC_EXCLUDE, REACH_TIMEOUT_S, Job, parallel
+from speedrun.cluster.job import DEFAULT_SYNC_EXCLUDE, REACH_TIMEOUT_S, HostSetup, Job, parallel
 from speedrun.cluster.provider import Provider
 from speedrun.cluster.providers import make_provider, provider_from_record
 from speedrun.cluster.ssh import SSHOptions
@@ -116,18 +116,12 @@ def make_job(name: str, num_tasks: int = 1, *, provider: str | Provider = "local
     prov = make_provider(provider, name, hosts, ssh, config_dir, options)
     hosts_ = prov.hosts(num_tasks)
     run_root = run_root or prov.run_root or "runs"
-    sessions = [f"{name}-{i}" for i in range(num_tasks)]
-    setup_mark = f"{host_dir.rstrip('/')}/setup/{name}.sha256"
-    probes = parallel(lambda i: probe_task(hosts_[i], tmux_socket, sessions[i], i, setup_mark), range(num_tasks))
-
-    def code_dir(i: int) -> str:
-        return resolve(f"{host_dir.rstrip('/')}/code/{name}", probes[i].home, hosts_[i].is_local)
+    hs = HostSetup(tmux_socket, host_dir, Path(sync).resolve() if sync is not None else None, tuple(sync_exclude), setup)
+    setup_mark = setup_mark_of(hs, name)
+    probes = parallel(lambda i: probe_task(hosts_[i], tmux_socket, f"{name}-{i}", i, setup_mark), range(num_tasks))
 
     def make_tasks(run_dir: str, seqs: Sequence[int]) -> list[Task]:
-        return [Task(job=name, index=i, host=hosts_[i], run_dir=run_dir,
-                     cwd=code_dir(i) if sync is not None else f"{run_dir}/task-{i}",
-                     home=probes[i].home, ip=probes[i].ip, tmux_socket=tmux_socket, last_seq=seqs[i])
-                for i in range(num_tasks)]
+        return [make_task(name, i, hosts_[i], probes[i], run_dir, hs, seqs[i]) for i in range(num_tasks)]
 
     running = [i for i, p in enumerate(probes) if p.running]
     if running and not restart:
@@ -136,7 +130,7 @@ def make_job(name: str, num_tasks: int = 1, *, provider: str | Provider = "local
             raise SpeedrunError(f"job {name} runs on tasks {running} but not on all {num_tasks} as asked; "
                                 f"kill it (speedrun kill {name}) or pass restart=True (--restart)")
         tasks = make_tasks(run_dirs.pop(), [p.last_seq for p in probes])
-        job = Job(name, tasks, tasks[0].run_dir, prov, python=python, reconnected=True)
+        job = Job(name, tasks, tasks[0].run_dir, prov, python=python, reconnected=True, host_setup=hs)
         log.info("job %s is running (%s); reconnected without changing it", name, job.run_dir)
     else:
         root = resolve(run_root, probes[0].home, hosts_[0].is_local)
@@ -149,23 +143,61 @@ def make_job(name: str, num_tasks: int = 1, *, provider: str | Provider = "local
             raise SpeedrunError(f"cannot make a run directory under {root} on {hosts_[0].name}: "
                                 f"{tmux_message(r.stderr)}")
         tasks = make_tasks(fields["run_dir"], [0] * num_tasks)
-        parallel(lambda t: t._shell(tmux.new_session(tmux_socket, t.session, name, t.run_dir, t.logdir, t.cwd,
-                                                     replace=True)), tasks)
-        job = Job(name, tasks, fields["run_dir"], prov, python=python, reconnected=False)
-        first_on_host = list({t.host.key: t for t in reversed(tasks)}.values())  # the first task on each host
-        if sync is not None:
-            src = Path(sync).resolve()
-            log.info("copying %s to %d host(s)", src, len(first_on_host))
-            parallel(lambda t: t.host.put(src, t.cwd, exclude=sync_exclude, mirror=True), first_on_host)
-        if setup is not None:
-            digest = hashlib.sha256(setup.encode()).hexdigest()
-            parallel(lambda t: run_setup(t, setup, digest, probes[t.index].setup_hash, setup_mark), first_on_host)
+        start_tasks(tasks, name, hs, [p.setup_hash for p in probes])
+        job = Job(name, tasks, fields["run_dir"], prov, python=python, reconnected=False, host_setup=hs)
 
-    registry.save(registry.JobRecord(
-        name=name, num_tasks=num_tasks, provider=prov.record(), run_dir=job.run_dir,
-        cwd=None if sync is None else posixpath.join(host_dir.rstrip("/"), "code", name),
-        tmux_socket=tmux_socket, python=python, created=time.time()), config_dir)
+    save_record(job, config_dir)
     return job
+
+
+def setup_mark_of(hs: HostSetup, job: str) -> str:
+    """Where a host keeps the hash of the setup script that last succeeded there for `job`."""
+    return f"{hs.host_dir.rstrip('/')}/setup/{job}.sha256"
+
+
+def make_task(job: str, index: int, host: Host, probe: TaskProbe, run_dir: str, hs: HostSetup, last_seq: int) -> Task:
+    code = resolve(f"{hs.host_dir.rstrip('/')}/code/{job}", probe.home, host.is_local)
+    return Task(job=job, index=index, host=host, run_dir=run_dir,
+                cwd=code if hs.sync is not None else f"{run_dir}/task-{index}",
+                home=probe.home, ip=probe.ip, tmux_socket=hs.tmux_socket, last_seq=last_seq)
+
+
+def start_tasks(tasks: Sequence[Task], job: str, hs: HostSetup, setup_hashes: Sequence[str]) -> None:
+    """Each task's tmux session, then per host the synced code and the setup script (`setup_hashes`:
+    what each task's host recorded, so that an unchanged setup is skipped)."""
+    parallel(lambda t: t._shell(tmux.new_session(hs.tmux_socket, t.session, job, t.run_dir, t.logdir, t.cwd,
+                                                 replace=True)), tasks)
+    first_on_host = list({t.host.key: (t, h) for t, h in reversed(list(zip(tasks, setup_hashes)))}.values())
+    if hs.sync is not None:
+        log.info("copying %s to %d host(s)", hs.sync, len(first_on_host))
+        parallel(lambda th: th[0].host.put(hs.sync, th[0].cwd, exclude=hs.sync_exclude, mirror=True), first_on_host)
+    if hs.setup is not None:
+        digest = hashlib.sha256(hs.setup.encode()).hexdigest()
+        parallel(lambda th: run_setup(th[0], hs.setup, digest, th[1], setup_mark_of(hs, job)), first_on_host)
+
+
+def save_record(job: Job, config_dir: str | os.PathLike | None = None) -> None:
+    """Record the job (again, after a host was replaced) so that the CLI finds it."""
+    hs = job.host_setup
+    registry.save(registry.JobRecord(
+        name=job.name, num_tasks=len(job), provider=job.provider.record(), run_dir=job.run_dir,
+        cwd=None if hs is None or hs.sync is None else posixpath.join(hs.host_dir.rstrip("/"), "code", job.name),
+        tmux_socket=job.tasks[0].tmux_socket, python=job.python, created=time.time()), config_dir)
+
+
+def replace_task(job: Job, index: int, host: Host) -> Task:
+    """Put task `index` of a job on `host` instead (its machine was lost): a session there in the
+    same run directory, the synced code and the setup, as make_job gave the others."""
+    hs = job.host_setup
+    if hs is None:
+        raise SpeedrunError(f"job {job.name} was found again, not made, by this process: how to set up a "
+                            f"replacement host is known only where make_job ran")
+    old = job.tasks[index]
+    probe = probe_task(host, hs.tmux_socket, old.session, index, setup_mark_of(hs, job.name))
+    task = make_task(job.name, index, host, probe, job.run_dir, hs, last_seq=0)
+    start_tasks([task], job.name, hs, [probe.setup_hash])
+    job.tasks[index] = task
+    return task
 
 
 def run_setup(task: Task, setup: str, digest: str, recorded: str, mark: str) -> None:

@@ -17,6 +17,7 @@ from typing import Any, Mapping, Sequence
 
 from speedrun.cluster.hosts import Host
 from speedrun.cluster.ssh import SSHOptions
+from speedrun.errors import SpeedrunError
 
 
 @dataclass
@@ -63,6 +64,10 @@ class Provider(ABC):
     def run_root(self) -> str | None:
         """Where run directories go by default on storage every host sees (EFS...); None: none."""
         return None
+
+    def replace(self, index: int, count: int) -> Host:
+        """A host to take over task `index` (of `count`) from one that was lost (recovery)."""
+        raise SpeedrunError(f"the {self.kind} provider has no machine to put in place of a lost one")
 
     def environment(self) -> dict[str, str]:
         """Variables every launched command gets on these machines (e.g. where spot notices come)."""

@@ -90,6 +90,15 @@ class SSHProvider(Provider):
                                 f"(the ssh provider runs one task per host)")
         return list(self._hosts[:count])
 
+    def replace(self, index: int, count: int) -> Host:
+        """The first spare (hosts listed beyond the tasks) takes task `index`'s place; the lost host
+        leaves the list."""
+        if len(self._hosts) <= count:
+            raise SpeedrunError(f"no spare host is left to replace task {index}'s: list more hosts than tasks "
+                                f"(the extra ones are spares)")
+        self._hosts[index] = self._hosts.pop(count)
+        return self._hosts[index]
+
     def record(self) -> dict[str, Any]:
         o = self.options
         return {

@@ -1,0 +1,99 @@
+"""Recovery for real: a 2-host gloo job on network-namespace hosts, with a third host as spare;
+one host is killed mid-run (its sshd and every process in it gone, its network removed) and the
+job carries on on the spare without a person (speedrun.cluster.recovery)."""
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from cli_run import wait_for
+from netns import NetnsCluster, unavailable_reason
+from speedrun.cluster import SSHOptions, make_job
+from speedrun.cluster.recovery import watch
+from speedrun.track import read_jsonl
+from test_cluster_e2e import ONE_THREAD, TRAIN
+
+pytestmark = [pytest.mark.netns, pytest.mark.slow]
+EPOCHS = 8  # the tiny recipe, longer: the loss comes after the first checkpoint, well before the end
+
+
+def start_watch(job) -> tuple[threading.Thread, dict]:
+    """recovery.watch(job) on a thread of its own, as `speedrun launch --recover` runs it; the
+    dict gets its "states" or its "error"."""
+    outcome: dict = {}
+
+    def watcher() -> None:
+        try:
+            outcome["states"] = watch(job, every_s=0.5)
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            outcome["error"] = e
+    thread = threading.Thread(target=watcher)
+    thread.start()
+    return thread, outcome
+
+
+@pytest.fixture
+def three_hosts():
+    reason = unavailable_reason()
+    if reason:
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(f"CI must run the recovery tests, but {reason}")
+        pytest.skip(reason)
+    with NetnsCluster(3) as cluster:
+        yield cluster
+
+
+def test_a_lost_host_is_replaced_by_the_spare_and_the_run_finishes(three_hosts, tmp_path, job_name):
+    ssh = SSHOptions(known_hosts=three_hosts.known_hosts, identity_file=three_hosts.client_key)
+    train = [*TRAIN, "--epochs", str(EPOCHS)]
+    runs = str(tmp_path / "runs")
+    base = make_job(f"{job_name}-base", 2, provider="ssh", hosts=three_hosts.specs[:2], ssh=ssh, run_root=runs)
+    base.launch([*train, "--out", base.run_dir], env=ONE_THREAD)
+    assert [r.status for r in base.wait(timeout=600)] == [0, 0]
+    base.kill()
+
+    lost, spare = three_hosts.hosts[1], three_hosts.hosts[2]
+    job = make_job(job_name, 2, provider="ssh", hosts=three_hosts.specs, ssh=ssh, run_root=runs)  # the 3rd: spare
+    job.launch([*train, "--out", job.run_dir], env=ONE_THREAD)
+    thread, outcome = start_watch(job)
+    wait_for(lambda: Path(job.run_dir, "checkpoint.pt").exists(), 300, "the first checkpoint")
+    three_hosts.remove_host(lost)  # the machine is gone: sshd, the training process, its network
+    thread.join(timeout=900)
+    try:
+        assert not thread.is_alive() and "error" not in outcome, outcome
+        assert [s.state for s in outcome["states"]] == ["succeeded", "succeeded"]
+        assert job[1].host.name == spare.spec
+        (event,) = read_jsonl(Path(job.run_dir) / "recoveries.jsonl")
+        assert event["replaced"] == {"1": [lost.spec, spare.spec]} and event["resumed"]
+        assert "task 1" in event["reason"] and "unreachable" in event["reason"]
+
+        results = [json.loads(Path(d, "results.json").read_text()) for d in (base.run_dir, job.run_dir)]
+        assert results[1]["status"] == "finished" and results[1]["epochs_run"] == EPOCHS
+        assert len(results[1]["recoveries"]) == 1
+        # Resumed from an epoch's checkpoint with the same data order: the same model, within float noise.
+        assert results[1]["final"]["top1"] == pytest.approx(results[0]["final"]["top1"], abs=0.01)
+    finally:
+        job.kill()
+        job.close()
+
+
+def test_launch_recover_starts_an_ended_job_again_and_gives_up_after_max_restarts(tmp_path, job_name, capsys):
+    from speedrun.cli import main
+    flaky = tmp_path / "flaky.py"  # fails on its first run, as a job whose rank died would
+    flaky.write_text("import pathlib, sys\nmark = pathlib.Path(sys.argv[1]) / 'ran-once'\n"
+                     "if not mark.exists():\n    mark.touch()\n    sys.exit(3)\nprint('second run ok')\n")
+    common = ["--run-root", str(tmp_path / "runs"), "--recover", "--max-restarts", "1", "--"]
+    assert main(["launch", job_name, *common, str(flaky), str(tmp_path)]) == 0
+    assert "every task succeeded" in capsys.readouterr().out
+    run_dir = next((tmp_path / "runs" / job_name).iterdir())
+    (event,) = read_jsonl(run_dir / "recoveries.jsonl")
+    assert event["replaced"] == {} and "task 0 (local) failed" in event["reason"] and not event["resumed"]
+
+    broken = tmp_path / "broken.py"
+    broken.write_text("import sys\nsys.exit(3)\n")
+    assert main(["launch", f"{job_name}-b", *common, str(broken)]) == 2
+    assert "gave up after 1 recoveries: task 0 (local) failed" in capsys.readouterr().err
