@@ -21,14 +21,14 @@ pytestmark = [pytest.mark.netns, pytest.mark.slow]
 EPOCHS = 8  # the tiny recipe, longer: the loss comes after the first checkpoint, well before the end
 
 
-def start_watch(job) -> tuple[threading.Thread, dict]:
+def start_watch(job, max_restarts: int = 3) -> tuple[threading.Thread, dict]:
     """recovery.watch(job) on a thread of its own, as `speedrun launch --recover` runs it; the
     dict gets its "states" or its "error"."""
     outcome: dict = {}
 
     def watcher() -> None:
         try:
-            outcome["states"] = watch(job, every_s=0.5)
+            outcome["states"] = watch(job, every_s=0.5, max_restarts=max_restarts)
         except BaseException as e:  # noqa: BLE001 - reported by the test
             outcome["error"] = e
     thread = threading.Thread(target=watcher)
@@ -97,3 +97,26 @@ def test_launch_recover_starts_an_ended_job_again_and_gives_up_after_max_restart
     broken.write_text("import sys\nsys.exit(3)\n")
     assert main(["launch", f"{job_name}-b", *common, str(broken)]) == 2
     assert "gave up after 1 recoveries: task 0 (local) failed" in capsys.readouterr().err
+
+
+def test_a_watcher_started_again_takes_over_and_counts_earlier_recoveries(local_job, tmp_path):
+    gate = tmp_path / "go"
+    flaky = tmp_path / "flaky.py"  # waits for the gate, then fails on its first run only
+    flaky.write_text("import pathlib, sys, time\nd = pathlib.Path(sys.argv[1])\n"
+                     "while not (d / 'go').exists():\n    time.sleep(0.05)\n"
+                     "if not (d / 'ran-once').exists():\n    (d / 'ran-once').touch()\n    sys.exit(3)\n")
+    first = local_job()
+    first.launch([str(flaky), str(tmp_path)])  # its watcher died with the machine that ran it
+    again = local_job()  # the same script, started again: reconnects to the running job
+    assert again.reconnected
+    again.launch([str(flaky), str(tmp_path)])  # nothing new starts; this process now knows the command
+    Path(again.run_dir, "recoveries.jsonl").write_text('{"reason": "an earlier watcher recovered once"}\n')
+    thread, outcome = start_watch(again, max_restarts=1)
+    gate.touch()
+    thread.join(timeout=300)
+    assert "gave up after 1 recoveries" in str(outcome.get("error")), outcome  # the earlier one counted
+
+    Path(again.run_dir, "recoveries.jsonl").unlink()
+    thread, outcome = start_watch(again, max_restarts=1)
+    thread.join(timeout=300)
+    assert [s.state for s in outcome["states"]] == ["succeeded"], outcome

@@ -163,6 +163,9 @@ class Job:
         check_name(name)
         if nproc_per_node < 1:
             raise SpeedrunError(f"nproc_per_node must be at least 1, got {nproc_per_node}")
+        text = command if isinstance(command, str) else shlex.join(command)
+        # Also when reconnecting: a watcher started again with the same command takes over.
+        self.launched = Launch(text, nproc_per_node, name, dict(env or {}))
         existing = parallel(lambda t: t.command(name), self.tasks)
         states = parallel(lambda c: c.state() if c else None, existing)
         running = [i for i, s in enumerate(states) if s == "running"]
@@ -181,8 +184,6 @@ class Job:
         n = len(self.tasks)
         master = self.tasks[0].ip if n > 1 else "127.0.0.1"
         port = self.free_port()
-        text = command if isinstance(command, str) else shlex.join(command)
-        self.launched = Launch(text, nproc_per_node, name, dict(env or {}))
 
         def start(t: Task) -> Command:
             torchrun = (f"{self.python} -m torch.distributed.run --nnodes={n} --node-rank={t.index} "

@@ -2,7 +2,9 @@
 
 `watch(job)` (`speedrun launch --recover`) runs where the job was made, on your machine: simple,
 but the job is not watched while that machine sleeps. What it did is kept in the run directory
-(`recoveries.jsonl`, which the trainer copies into results.json). Every `every_s` seconds it asks
+(`recoveries.jsonl`, which the trainer copies into results.json), so the same `speedrun launch
+... --recover` run again while the job runs reconnects and takes over, counting the recoveries
+already made towards `max_restarts`. Every `every_s` seconds it asks
 each task's state, within seconds whatever the network does (as `speedrun ls`), and:
 
 - every task succeeded: done;
@@ -47,7 +49,7 @@ def watch(job: Job, name: str = "train", *, max_restarts: int = 3, every_s: floa
     returns the final states. SpeedrunError once `max_restarts` recoveries did not suffice."""
     if job.launched is None or job.launched.name != name:
         raise SpeedrunError(f"job {job.name}: nothing named {name!r} was launched by this process to watch")
-    restarts = 0
+    restarts = len(past_recoveries(job))  # a watcher started again goes on counting
     while True:
         states = job.status(name)
         if all(s.state == "succeeded" for s in states):
@@ -63,6 +65,13 @@ def watch(job: Job, name: str = "train", *, max_restarts: int = 3, every_s: floa
             raise SpeedrunError(f"job {job.name}: gave up after {restarts} recoveries: {why}")
         restarts += 1
         recover(job, name, [s.index for s in lost], why, resume_flag)
+
+
+def past_recoveries(job: Job) -> list[dict]:
+    """The recoveries recorded in the run directory so far (by this watcher or an earlier one)."""
+    r = job.tasks[0].host.shell(f"cat {shlex.quote(f'{job.run_dir}/{RECOVERIES}')} 2>/dev/null; true",
+                                timeout=REACH_TIMEOUT_S)
+    return [json.loads(line) for line in r.text.splitlines() if line.strip().startswith("{")]
 
 
 def recover(job: Job, name: str, lost: list[int], why: str, resume_flag: str) -> Recovery:
