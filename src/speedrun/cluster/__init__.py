@@ -10,8 +10,9 @@ Modules, from the bottom up: hosts (Host, LocalHost) and ssh (SSHHost) run scrip
 tmux writes the scripts that run commands in tmux windows; task (Task, Command) and job (Job,
 make_job, open_job) build on them; provider says what a provider is, providers lists them (local,
 ssh, and aws: EC2 instances speedrun starts itself); registry keeps job records; tensorboard
-serves a run's events; cli is `speedrun launch | ls | attach | logs | kill | tb`; testing makes
-hosts out of network namespaces for tests and benchmarks.
+serves a run's events; recovery keeps a job going when it loses machines; cli is `speedrun launch
+| ls | attach | logs | kill | down | tb`. Tests and benchmarks make hosts out of network
+namespaces (tests/netns.py) and emulate AWS with moto (tests/aws_server.py).
 """
 from speedrun.cluster.hosts import Host, LocalHost
 from speedrun.cluster.job import Job, TaskStatus
