@@ -66,6 +66,8 @@ def test_a_run_stopped_by_sigterm_resumes_bit_identically(tmp_path):
     assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, 6 * STEPS_PER_EPOCH + 1))
     assert [r["loss"] for r in a] == [r["loss"] for r in b]  # bit-identical, before and after the stop
     final = [json.loads((d / "results.json").read_text())["final"] for d in (tmp_path / "full", part)]
+    (lost,) = json.loads((part / "results.json").read_text())["interruptions"]
+    assert lost["steps_redone"] == 0 and lost["resumed_at_step"] == state["step"]  # a stop at a step loses no training
     assert [{k: f[k] for k in ("loss", "top1", "top5", "count")} for f in final] == [
         {k: final[0][k] for k in ("loss", "top1", "top5", "count")}] * 2
 

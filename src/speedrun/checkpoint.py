@@ -36,6 +36,7 @@ class RunState:
     time_to_target_from_first_step_s: float | None = None
     target_epoch: int | None = None  # the epoch (1-based, as printed) whose evaluation reached the target
     world_size: int | None = None  # processes the run trains on; a resume must use as many
+    interruptions: list[dict] = field(default_factory=list)  # what each resume cost (engine.interruption)
 
 
 def save_run(writer: CheckpointWriter, path: Path, learner: Learner, state: RunState, cfg: TrainConfig) -> None:

@@ -57,6 +57,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             state = RunState(world_size=ctx.world_size)
             if cfg.resume:
                 state = restore_run(cfg.out / "checkpoint.pt", learner, cfg, ctx.world_size)
+                if ctx.is_main:  # before the tracker cuts the log back to the checkpoint
+                    state.interruptions.append(interruption(cfg.out, state, cfg.process_start))
             tracker = Tracker(cfg.out, enabled=ctx.is_main, resume_step=state.step if cfg.resume else None)
             try:
                 if run_dir.note:
@@ -168,9 +170,12 @@ def run_epochs(
         state.train_s = clock.train_s()
         results = build_results(cfg, ctx, source, state, evals, status, clock.session_start, learner.precision)
         results["last_checkpoint"] = writer.last_written  # complete on disk; None: none
-        # What `speedrun launch --recover` did to keep the run going (speedrun.cluster.recovery).
+        # What `speedrun launch --recover` did to keep the run going (speedrun.cluster.recovery),
+        # and what the time lost cost at the machines' price when the watcher knew it.
         recoveries = out / "recoveries.jsonl"
         results["recoveries"] = read_jsonl(recoveries) if recoveries.exists() else []
+        prices = [r["price_per_hour"] for r in results["recoveries"] if r.get("price_per_hour") is not None]
+        results["lost_usd"] = results["lost_s"] * prices[-1] / 3600 if prices else None
         try:
             tracker.write_results(results)
             tracker.plot(evals, dataclasses.asdict(recipe.target) if recipe.target else None)
@@ -196,6 +201,21 @@ def stop_here(stops: StopRequests, writer: CheckpointWriter, out: Path, learner:
     tracker.print(f"stopped {where(state)} on {stops.reason}{notice}; the checkpoint holds this step: "
                   f"continue with --resume --out {out}")
     return "stopped"
+
+
+def interruption(out: Path, state: RunState, process_start: float) -> dict:
+    """What resuming from `state` costs: the steps logged after its checkpoint (trained again, at
+    the run's mean seconds per step, evaluations included) and the wall time between the last
+    step logged and this process's start (s)."""
+    steps = out / "steps.jsonl"
+    logged = read_jsonl(steps) if steps.exists() else []
+    last = max((r["step"] for r in logged), default=state.step)
+    per_step = state.train_s / state.step if state.step else 0.0
+    redone = max(last - state.step, 0)
+    between = max(process_start - steps.stat().st_mtime, 0.0) if steps.exists() else 0.0
+    return {"resumed_at_step": state.step, "last_step_logged": last, "steps_redone": redone,
+            "training_s_lost": redone * per_step, "seconds_between_sessions": between,
+            "wall_s_lost": redone * per_step + between}
 
 
 def run_header(cfg: TrainConfig, ctx: DistContext, source: DataSource, precision: str) -> str:

@@ -222,6 +222,8 @@ def build_results(
         "startup_s": state.startup_s,
         "epochs_run": state.epoch,
         "steps": state.step,
+        "interruptions": state.interruptions,  # one per resume: steps redone, seconds lost
+        "lost_s": sum(i["wall_s_lost"] for i in state.interruptions),
         "best": state.best,
         "final": final,
         "world_size": ctx.world_size,

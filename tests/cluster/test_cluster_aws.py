@@ -316,5 +316,8 @@ def test_an_instance_terminated_mid_run_is_replaced_and_the_run_finishes(aws, ef
         assert event["replaced"] == {"1": [f"root@{old['PrivateIpAddress']}", f"root@{new['PrivateIpAddress']}"]}
         results = json.loads(Path(job.run_dir, "results.json").read_text())
         assert results["status"] == "finished" and results["epochs_run"] == 8 and len(results["recoveries"]) == 1
+        # What the loss cost at two c5.large's on-demand price, $0.17 an hour.
+        assert results["recoveries"][0]["price_per_hour"] == pytest.approx(0.17)
+        assert results["lost_usd"] == pytest.approx(results["lost_s"] * 0.17 / 3600) and results["lost_usd"] > 0
     finally:
         main(["down", job_name])

@@ -74,6 +74,9 @@ def test_a_lost_host_is_replaced_by_the_spare_and_the_run_finishes(three_hosts, 
         results = [json.loads(Path(d, "results.json").read_text()) for d in (base.run_dir, job.run_dir)]
         assert results[1]["status"] == "finished" and results[1]["epochs_run"] == EPOCHS
         assert len(results[1]["recoveries"]) == 1
+        (lost,) = results[1]["interruptions"]  # the steps after the checkpoint, trained again, and the gap
+        assert lost["last_step_logged"] >= lost["resumed_at_step"] and lost["wall_s_lost"] > 0
+        assert results[1]["lost_s"] == lost["wall_s_lost"] and results[1]["lost_usd"] is None  # own machines: no price
         # Resumed from an epoch's checkpoint with the same data order: the same model, within float noise.
         assert results[1]["final"]["top1"] == pytest.approx(results[0]["final"]["top1"], abs=0.01)
     finally:

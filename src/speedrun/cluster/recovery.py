@@ -41,6 +41,7 @@ class Recovery:
     replaced: dict[int, list[str]]  # task -> [lost host, its replacement]
     resumed: bool  # from the run directory's checkpoint
     relaunch_s: float  # from noticing to the new torchruns started, seconds
+    price_per_hour: float | None  # $ per hour of the job's machines (provider's billing), None: unknown
 
 
 def watch(job: Job, name: str = "train", *, max_restarts: int = 3, every_s: float = 5.0,
@@ -102,7 +103,9 @@ def recover(job: Job, name: str, lost: list[int], why: str, resume_flag: str) ->
     if resumed and resume_flag and resume_flag not in shlex.split(command):
         command = f"{command} {resume_flag}"
     job.launch(command, nproc_per_node=launch.nproc_per_node, name=name, env=launch.env, restart=True)
-    event = Recovery(start, why, replaced, resumed, time.time() - start)
+    billing = job.provider.billing()
+    event = Recovery(start, why, replaced, resumed, time.time() - start,
+                     billing.price_per_hour if billing is not None else None)
     job.tasks[0].host.shell(f"printf '%s\\n' {shlex.quote(json.dumps(asdict(event)))} >> "
                             f"{shlex.quote(f'{job.run_dir}/{RECOVERIES}')}")
     log.info("job %s: started again in %.1f s%s", job.name, event.relaunch_s, " from the checkpoint" if resumed else "")
