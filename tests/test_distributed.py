@@ -175,7 +175,8 @@ def test_killing_one_rank_stops_the_job_with_a_clear_message(tmp_path):
     last = stderr.strip().splitlines()[-1]
     assert last.startswith("speedrun: training failed: rank 1") and "SIGKILL" in last, stderr
     results = json.loads((out / "results.json").read_text())  # rank 0 kept what it had
-    assert results["status"] in ("interrupted", "failed")
+    # "stopped": rank 0 had the SIGTERM torchrun sent it between collectives and wrote its last step
+    assert results["status"] in ("interrupted", "failed", "stopped")
 
 
 def _evaluate_rank(rank: int, world: int, port: int, out: str) -> None:

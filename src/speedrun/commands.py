@@ -279,11 +279,11 @@ def launch_local_processes(argv: list[str], n: int) -> int:
             return EXIT_RESUMABLE
         raise KeyboardInterrupt("stopped by SIGTERM") from None
     except ChildFailedError as e:
-        # All stopped at the same step; the first to exit made torchrun stop the others, which had
-        # written everything by then (they wait for each other), so their exit codes do not matter.
-        if any(f.exitcode == EXIT_RESUMABLE for f in e.failures.values()) and run_status(argv) == "stopped":
-            return EXIT_RESUMABLE
         rank, failure = root_cause(e.failures)
+        # Stopped at a step: the first to exit made torchrun stop the others, whose exit codes do
+        # not matter then. Unless the root cause is a rank that died: that is reported.
+        if failure.exitcode == EXIT_RESUMABLE and run_status(argv) == "stopped":
+            return EXIT_RESUMABLE
         message = failure.message or ""
         if not message or str(message).startswith("To enable traceback"):  # torchrun's placeholder
             message = "it left no error message"
@@ -309,12 +309,13 @@ def run_status(argv: list[str]) -> str | None:
 
 def root_cause(failures: dict) -> tuple[int, object]:
     """The failure that caused the others: a process that died on its own comes before one
-    stopped by torchrun (SIGTERM) or one that failed because a peer vanished."""
+    stopped by torchrun (SIGTERM, or stopped at a step after it) or one that failed because a
+    peer vanished."""
     from speedrun.engine import PEER_DIED
 
     def collateral(item) -> bool:
         _, f = item
-        return f.signal_name() == "SIGTERM" or f.exitcode == 130 or PEER_DIED in str(f.message)
+        return f.signal_name() == "SIGTERM" or f.exitcode in (130, EXIT_RESUMABLE) or PEER_DIED in str(f.message)
 
     return min(failures.items(), key=lambda item: (collateral(item), item[1].timestamp))
 

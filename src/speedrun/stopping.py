@@ -10,10 +10,13 @@ Three things ask a run to stop:
   the AWS provider sets for spot jobs): nothing is polled on machines that are not spot instances.
 - A request: a file named `stop` in the run directory (`touch RUN_DIR/stop`).
 
-A request seen by any rank stops all of them after the same step: after every step the ranks
-agree (an all-reduce of one small integer, over gloo so that it never waits on the GPU's
-stream). Rank 0 then writes a checkpoint holding the position in the epoch's sample order, and
-the process exits with EXIT_RESUMABLE.
+A notice or a request seen by any rank stops all of them after the same step: after every step
+the ranks agree (an all-reduce of one small integer, over gloo so that it never waits on the
+GPU's stream). SIGTERM is acted on at once, without asking the others: torchrun also sends it
+when a rank died, and a collective with a dead rank may never end. Every rank has the same
+weights after each step, so rank 0 alone can write the checkpoint of the last step it finished.
+Either way rank 0's checkpoint holds the position in the epoch's sample order, and the process
+exits with EXIT_RESUMABLE.
 """
 from __future__ import annotations
 
@@ -101,7 +104,10 @@ class StopRequests:
             ticks += 1
 
     def agreed(self) -> bool:
-        """Whether every rank stops after this step (called after each step, on every rank)."""
+        """Whether to stop after this step (called after each step, on every rank): at once on
+        SIGTERM; otherwise when any rank has a request."""
+        if self.code == SIGNAL:
+            return True
         code = self.code
         if self.ctx.world_size > 1:
             import torch
@@ -114,8 +120,9 @@ class StopRequests:
         return code != 0
 
     def barrier(self) -> None:
-        """Wait until every rank gets here (on the control group)."""
-        if self.ctx.world_size > 1:
+        """Wait until every rank gets here (on the control group); not after SIGTERM, when a rank
+        may be gone."""
+        if self.ctx.world_size > 1 and self.code != SIGNAL:
             import torch.distributed as dist
             dist.barrier(group=self._group)
 
