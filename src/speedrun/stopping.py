@@ -49,12 +49,13 @@ REASONS = {SIGNAL: "SIGTERM", REQUEST: "a stop request (the run directory's `sto
 
 class StopRequests:
     """Watches for the three requests above while the training loop runs; `agreed()` after each
-    step says whether every rank stops now. Use as a context manager (it installs the SIGTERM
+    step says whether to stop now. Use as a context manager (it installs the SIGTERM
     handler and the polling thread, and removes them)."""
 
     def __init__(self, ctx: DistContext, run_dir: Path, notice_url: str | None):
         self.ctx, self.stop_file, self.notice_url = ctx, run_dir / STOP_FILE, notice_url
         self.code = 0  # this rank's request (0: none)
+        self.sigterm = False  # SIGTERM came: stop without asking the others
         self.notice: str | None = None  # the notice's text, when one came
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
@@ -86,8 +87,9 @@ class StopRequests:
         self.code = max(self.code, code)
 
     def _on_sigterm(self, signum, frame) -> None:
-        if self.code:  # asked twice: do not wait for the step to end
+        if self.sigterm:  # asked twice: do not wait for the step to end
             raise KeyboardInterrupt("stopped by a second SIGTERM")
+        self.sigterm = True
         self.request(SIGNAL)
 
     def _poll(self) -> None:
@@ -106,7 +108,7 @@ class StopRequests:
     def agreed(self) -> bool:
         """Whether to stop after this step (called after each step, on every rank): at once on
         SIGTERM; otherwise when any rank has a request."""
-        if self.code == SIGNAL:
+        if self.sigterm:
             return True
         code = self.code
         if self.ctx.world_size > 1:
@@ -122,7 +124,7 @@ class StopRequests:
     def barrier(self) -> None:
         """Wait until every rank gets here (on the control group); not after SIGTERM, when a rank
         may be gone."""
-        if self.ctx.world_size > 1 and self.code != SIGNAL:
+        if self.ctx.world_size > 1 and not self.sigterm:
             import torch.distributed as dist
             dist.barrier(group=self._group)
 
