@@ -59,7 +59,7 @@ DEFAULT_IMAGE = "Deep Learning OSS Nvidia Driver AMI GPU PyTorch * (Ubuntu 22.04
 LIVE_STATES = ("pending", "running", "stopping", "stopped")
 
 # On-demand Linux prices, $ per instance-hour, as AWS's on-demand pricing page listed them (after
-# the June 2025 P4/P5 price cut). Spot prices come from the spot price history instead.
+# the June 2025 P4/P5 price cut; not re-checked since). Spot prices come from the spot price history.
 PRICES_AS_OF = "2025-06"
 ON_DEMAND_PRICES: dict[str, dict[str, float]] = {
     "us-east-1": {
