@@ -167,3 +167,10 @@ def test_a_bad_checkpoint_interval_is_one_line(tmp_path):
     r = run_cli("train", "--recipe", "tiny", "--device", "cpu", "--checkpoint-every", "soon", "--out", str(tmp_path / "x"))
     assert r.returncode == 2 and r.stderr.strip() == (
         "speedrun: error: bad --checkpoint-every 'soon': give epochs (0 or more) or minutes, e.g. 10m")
+
+
+def test_a_spot_notice_url_that_is_not_one_is_one_line(tmp_path):
+    r = run_cli("train", "--recipe", "tiny", "--device", "cpu", "--spot-notice-url", "169.254.169.254",
+                "--out", str(tmp_path / "x"))
+    assert r.returncode == 2 and r.stderr.strip().startswith("speedrun: error: bad --spot-notice-url '169.254.169.254'")
+    assert "\n" not in r.stderr.strip()

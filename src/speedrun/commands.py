@@ -143,6 +143,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         if value is not None and value < 1:
             raise SpeedrunError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     checkpoint_every, checkpoint_minutes = parse_checkpoint_every(args.checkpoint_every or ["1"])
+    if args.spot_notice_url and not args.spot_notice_url.startswith(("http://", "https://")):
+        raise SpeedrunError(f"bad --spot-notice-url {args.spot_notice_url!r}: give an http:// URL, e.g. {IMDS_NOTICE_URL}")
     from speedrun.dist import pick_device
     from speedrun.config import TrainConfig
     from speedrun.engine import train

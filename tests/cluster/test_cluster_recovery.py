@@ -123,3 +123,9 @@ def test_a_watcher_started_again_takes_over_and_counts_earlier_recoveries(local_
     thread, outcome = start_watch(again, max_restarts=1)
     thread.join(timeout=300)
     assert [s.state for s in outcome["states"]] == ["succeeded"], outcome
+
+
+def test_a_negative_max_restarts_is_one_line(capsys):
+    from speedrun.cli import main
+    assert main(["launch", "neg", "--recover", "--max-restarts", "-1", "--", "x.py"]) == 2
+    assert capsys.readouterr().err.strip() == "speedrun: error: --max-restarts must be 0 or more, got -1"

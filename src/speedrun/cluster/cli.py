@@ -169,6 +169,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
             again.parse_args(options, namespace=args)
     if not argv:
         raise SpeedrunError("nothing to launch: add `-- ARGS` for torchrun, e.g. -- -m speedrun train --recipe tiny")
+    if args.max_restarts < 0:
+        raise SpeedrunError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
     hosts = [h for h in args.hosts.split(",") if h.strip()]
     provider = args.provider or ("ssh" if hosts else "local")
     num_tasks = args.tasks if args.tasks is not None else (len(hosts) or 1)
