@@ -819,7 +819,8 @@ while true; do
   busy=$(tmux -L {tmux_socket} list-panes -a -F '#{{pane_dead}} #{{window_name}}' 2>/dev/null | awk '$1 == 0 && $2 != "shell"' | head -n 1)
   [ -n "$busy" ] && idle_since=$(date +%s)
   idle=$(( $(date +%s) - idle_since )); checks=$((checks + 1))
-  echo "$checks $([ -n "$busy" ] && echo busy || echo idle) $idle" > "{state}/status"
+  # Written whole, then renamed: a reader never sees the file empty.
+  echo "$checks $([ -n "$busy" ] && echo busy || echo idle) $idle" > "{state}/status.new" && mv -f "{state}/status.new" "{state}/status"
   if [ "$idle" -ge {max(1, round(minutes * 60))} ]; then {poweroff}; exit 0; fi
   sleep {every_s:g}
 done"""
