@@ -196,7 +196,7 @@ def _evaluate_rank(rank: int, world: int, port: int, out: str) -> None:
         stream.set_epoch(0)
         images, labels = next(iter(stream))
         learner.step(*batches.to_device(images, labels), 1)  # as in the loop: train, then evaluate
-        metrics = [evaluate(net, source, EvalSettings(28, 50), batches, ctx) for net in (learner.eval_net, learner.net)]
+        metrics = [evaluate(net, source, EvalSettings(28, 50), batches, ctx) for net in (learner.eval_net(), learner.net)]
         if rank == 0:
             torch.save(metrics, out)
     finally:

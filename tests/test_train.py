@@ -239,3 +239,27 @@ def test_compiled_model_trains_and_evaluates(tmp_path):
     results = engine.train(TrainConfig(recipe=recipe, out=tmp_path / "run", device="cpu", compile=True))
     assert results["status"] == "finished" and results["compile"] is True
     assert results["final"]["count"] == 100
+
+
+def test_rectangular_validation_of_a_compiled_model_compiles_no_evaluation_shapes(tmp_path):
+    # Rectangular validation batches come in several shapes; compiled per shape (dynamic=False)
+    # each would be a new graph. Evaluation runs them eagerly, so only training compiles.
+    from torch._dynamo.utils import counters
+
+    from speedrun.data.imagefolder import ImageFolderSource
+    from speedrun.data.rect import rect_plan
+    from speedrun.recipe import Phase, Recipe
+    from test_data_helpers import make_tree
+
+    tree = make_tree(tmp_path / "d", classes=2, train_per_class=8, val_per_class=8,
+                     sizes=[(64, 32), (32, 64), (48, 48), (72, 40), (40, 72)])
+    recipe = Recipe("rect", (Phase(0, 1, size=24, batch_size=8, lr=0.05, rect_val=True),),
+                    model="resnet-fmnist-tiny", dataset="imagefolder", val_batch_size=4)
+    split = ImageFolderSource(tree, workers=0, device=torch.device("cpu"))._val_split(None)
+    shapes = {(b.height, b.width) for b in rect_plan(split.widths, split.heights, 24, 4)}
+    assert len(shapes) >= 3  # enough shapes that compiling each would show
+    before = counters["stats"]["unique_graphs"]
+    results = engine.train(TrainConfig(recipe=recipe, out=tmp_path / "run", device="cpu", compile=True,
+                                       data=str(tree), workers=0))
+    assert results["status"] == "finished" and results["final"]["count"] == 16
+    assert counters["stats"]["unique_graphs"] - before <= 2  # the training step's graphs, not one per shape

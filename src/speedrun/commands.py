@@ -45,8 +45,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, default=None, metavar="N", help="decode processes per device for image folders")
     p.add_argument("--copies", default=None, metavar="DIR", help="where an image folder's resized copies are (default: $SPEEDRUN_COPIES, else DATA-sz)")
     p.add_argument("--loader", choices=LOADERS, default="auto",
-                   help="image-folder training decode: PIL worker processes, or NVIDIA DALI on the training device "
-                   "(needs speedrun[dali]); auto: DALI on CUDA when installed, else PIL")
+                   help="image-folder training decode: pil in worker processes; gpu: workers read bytes, torchvision "
+                   "decodes on the training device (nvJPEG on CUDA); dali: NVIDIA DALI (needs speedrun[dali]); "
+                   "auto: gpu on CUDA, else pil")
     p.add_argument("--log-every", type=int, default=50, metavar="STEPS", help="steps between train-loss records (default 50)")
     p.add_argument("--checkpoint-every", action="append", default=None, metavar="EPOCHS|MINUTESm",
                    help="epochs between checkpoints, 0 for none (default 1); `10m`: also one mid-epoch every 10 "

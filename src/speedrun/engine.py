@@ -134,7 +134,7 @@ def run_epochs(
                 if (epoch + 1) % recipe.eval_every == 0 or last:
                     settings = EvalSettings(phase.size, recipe.val_batch_size or phase.batch_size, phase.rect_val,
                                             recipe.eval_flip, learner.precision, phase.copy, phase.crop_pct)
-                    metrics = evaluate(learner.eval_net, source, settings, batches, ctx)
+                    metrics = evaluate(learner.eval_net(settings.rect), source, settings, batches, ctx)
                     # Evaluation time counts towards time-to-target, as in the 2018 record's clock.
                     state.train_s = clock.train_s()
                     evals.append(note_evaluation(recipe, phase, epoch, metrics, speed, state, tracker))

@@ -48,13 +48,14 @@ class Learner:
             self.ema.update(self.model, step=step)
         return loss
 
-    @property
-    def eval_net(self) -> nn.Module:
+    def eval_net(self, rect: bool = False) -> nn.Module:
         """What evaluation runs: the EMA weights, else the model itself, never the DDP wrapper
-        (see `evaluate`)."""
+        (see `evaluate`); compiled when training is, except for rectangular validation (`rect`),
+        whose batches come in many shapes: each would be compiled anew (a minute or so for
+        ResNet-50) until torch.compile's recompile limit, for one batch each."""
         if self.ema is not None:
             return self.ema.module
-        return self.compiled_model if self.compiled_model is not None else self.model
+        return self.compiled_model if self.compiled_model is not None and not rect else self.model
 
     def average_buffers(self, ctx: DistContext) -> None:
         average_buffers(self.model, ctx)
@@ -168,6 +169,17 @@ def evaluate(net: nn.Module, source: DataSource, settings: EvalSettings, batches
     if isinstance(net, DDP):
         net = net.module
     net.eval()
+    # cuDNN autotuning pays off over many steps of one shape; rectangular batches each have their own.
+    autotune = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = autotune and not settings.rect
+    try:
+        return _evaluate(net, source, settings, batches, ctx)
+    finally:
+        torch.backends.cudnn.benchmark = autotune
+
+
+def _evaluate(net: nn.Module, source: DataSource, settings: EvalSettings, batches: DeviceBatches,
+              ctx: DistContext) -> dict[str, float]:
     sums = torch.zeros(4, dtype=torch.float64, device=ctx.device)  # loss, correct@1, correct@5, count
     for images, labels in source.val_batches(settings.size, settings.batch_size, settings.rect, ctx.shard, settings.copy,
                                             settings.crop_pct):

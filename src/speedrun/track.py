@@ -235,6 +235,7 @@ def build_results(
         "data": cfg.data,
         "loader": source.loader,
         "skipped_images": source.skipped_images(),
+        "cpu_fallbacks": source.cpu_fallbacks(),  # --loader gpu: images decoded on the CPU instead
         "versions": {"speedrun": speedrun.__version__, "torch": torch.__version__, "python": platform.python_version()},
         "session_s": time.time() - session_start,
     }

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from speedrun.recipe import Recipe
 
 
-LOADERS = ("auto", "pil", "dali")  # how image files are decoded for training; see docs/data.md
+LOADERS = ("auto", "pil", "gpu", "dali")  # how image files are decoded for training; see docs/data.md
 DATASETS = ("fashion-mnist", "imagefolder")  # what a recipe's `dataset` may name
 
 
@@ -34,8 +34,9 @@ def build_source(
     `workers` is the number of decode processes per device for sources that decode files
     (None: chosen from the machine's cores); `copies` is where an image folder's resized copies
     are (None: $SPEEDRUN_COPIES, else <path>-sz; see docs/data.md). `loader` decodes an image
-    folder's training images: "pil" in worker processes, "dali" with NVIDIA DALI on `device`,
-    "auto" DALI on CUDA when it is installed, else PIL.
+    folder's training images: "pil" in worker processes, "gpu" with torchvision's decoder on
+    `device` (nvJPEG on CUDA) fed file bytes by the workers, "dali" with NVIDIA DALI on `device`,
+    "auto" the GPU path on CUDA, else PIL.
     """
     if loader != "auto" and recipe.dataset != "imagefolder":
         raise SpeedrunError(f"--loader {loader} applies to image folders; recipe {recipe.name!r} reads {recipe.dataset}")

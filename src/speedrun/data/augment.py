@@ -7,6 +7,7 @@ output pixel when shrinking (so a crop is antialiased, like PIL's resize).
 """
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator
 
@@ -52,9 +53,104 @@ def random_crop_boxes(
 def crop_resize_flip(images: torch.Tensor, boxes: torch.Tensor, flips: torch.Tensor, size: int) -> torch.Tensor:
     """Crop each uint8 image to its box, resize to size x size px, flip where asked; uint8 out."""
     rois = torch.cat([torch.arange(len(images), device=images.device, dtype=torch.float32)[:, None], boxes], dim=1)
-    out = roi_align(images.float(), rois, output_size=size, spatial_scale=1.0, sampling_ratio=-1, aligned=True)
+    return _resample(images.float(), rois, flips, size)
+
+
+def _resample(images: torch.Tensor, rois: torch.Tensor, flips: torch.Tensor, size: int) -> torch.Tensor:
+    """roi_align of float `images` (N x C x H x W) at `rois` (K x 5: image, x1, y1, x2, y2 in px)
+    to size x size, averaging every source pixel under an output pixel (antialiased), flipped
+    where `flips`; uint8 K x C x size x size."""
+    out = roi_align(images, rois, output_size=size, spatial_scale=1.0, sampling_ratio=-1, aligned=True)
     out = torch.where(flips.view(-1, 1, 1, 1), out.flip(-1), out)
     return out.round_().clamp_(0, 255).to(torch.uint8)
+
+
+# One canvas holds at most this many pixels (more images make more canvases): its float copy
+# and the index maps that build it then stay under about 1 GB.
+MAX_CANVAS_PX = 16 * 2**20
+
+
+def crop_resize_flip_ragged(images: list[torch.Tensor], boxes: torch.Tensor, flips: torch.Tensor,
+                            size: int) -> torch.Tensor:
+    """`crop_resize_flip` for images of different sizes: `images` a list of uint8 3 x H x W on one
+    device, `boxes` N x 4 (x1, y1, x2, y2 in each image's pixels, may reach past its edges: zeros
+    there), `flips` N bool; uint8 N x 3 x size x size on the images' device.
+
+    roi_align needs one input tensor, so each box's window of its image (the pixels under the box
+    and one more on each side, which bilinear sampling reads) is copied onto a shared canvas, in
+    shelves, tallest first, with one gather; then one roi_align resamples every box. The result
+    equals `crop_resize_flip` on the separate images.
+    """
+    device = images[0].device
+    boxes = boxes.detach().to("cpu", torch.float64)
+    lo, hi = boxes.floor().to(torch.int64) - 1, boxes.ceil().to(torch.int64) + 1
+    windows = torch.cat([lo[:, :2], hi[:, 2:] - lo[:, :2]], dim=1).tolist()  # x0, y0, width, height
+    out = torch.empty(len(images), 3, size, size, dtype=torch.uint8, device=device)
+    group: list[int] = []
+    area = 0
+    for i, (_, _, w, h) in enumerate(windows):
+        if group and area + w * h > MAX_CANVAS_PX:
+            out[group] = _canvas_crops(images, boxes, windows, group, flips, size)
+            group, area = [], 0
+        group.append(i)
+        area += w * h
+    out[group] = _canvas_crops(images, boxes, windows, group, flips, size)
+    return out
+
+
+def _canvas_crops(images: list[torch.Tensor], boxes: torch.Tensor, windows: list[list[int]], group: list[int],
+                  flips: torch.Tensor, size: int) -> torch.Tensor:
+    """The crops of the images in `group` (indices), from one canvas (see crop_resize_flip_ragged)."""
+    device = images[0].device
+    # Shelf packing: windows left to right, tallest first, in rows about as wide as the canvas is tall.
+    width = max(max(windows[i][2] for i in group), math.isqrt(sum(windows[i][2] * windows[i][3] for i in group)))
+    x = y = shelf_h = 0
+    shelves: list[list[int]] = []  # [top, height] per shelf
+    place = {}  # group position -> (canvas x, canvas y, shelf)
+    for k in sorted(range(len(group)), key=lambda k: -windows[group[k]][3]):
+        w, h = windows[group[k]][2:]
+        if x + w > width:
+            y, x, shelf_h = y + shelf_h, 0, 0
+        if shelf_h == 0:
+            shelf_h = h
+            shelves.append([y, h])
+        place[k] = (x, y, len(shelves) - 1)
+        x += w
+    height = y + shelf_h
+    # Which window each canvas pixel shows: canvas row -> shelf, (shelf, column) -> window (-1: none).
+    row_shelf = torch.zeros(height, dtype=torch.int64)
+    col_window = torch.full((len(shelves), width), -1, dtype=torch.int64)
+    for s, (top, h) in enumerate(shelves):
+        row_shelf[top : top + h] = s
+    for k, (cx, _, s) in place.items():
+        col_window[s, cx : cx + windows[group[k]][2]] = k
+    # Per window: where it is on the canvas and in its image, and its image's place in `flat`.
+    shapes = [images[i].shape for i in group]
+    numel = [c * h * w for c, h, w in shapes]
+    starts = [0, *itertools.accumulate(numel)][:-1]
+    table = torch.tensor([[place[k][0], place[k][1], windows[i][0], windows[i][1], windows[i][3],
+                           shapes[k][1], shapes[k][2], starts[k]] for k, i in enumerate(group)], dtype=torch.int64)
+    table, row_shelf, col_window = (t.to(device, non_blocking=True) for t in (table, row_shelf, col_window))
+    cx, cy, x0, y0, win_h, img_h, img_w, start = table.unbind(1)
+
+    k = col_window[row_shelf]  # height x width
+    used = k >= 0
+    k = k.clamp(min=0)
+    rows = torch.arange(height, device=device)[:, None] - cy[k]
+    iy = y0[k] + rows
+    ix = x0[k] + torch.arange(width, device=device)[None, :] - cx[k]
+    h, w = img_h[k], img_w[k]
+    # The window's pixels; its one-pixel rim outside the image repeats the edge (roi_align's own
+    # rule at an image's border); farther out (a box reaching past the image) zeros.
+    used &= (rows < win_h[k]) & (iy >= -1) & (iy <= h) & (ix >= -1) & (ix <= w)
+    at = start[k] + torch.minimum(iy.clamp(min=0), h - 1) * w + torch.minimum(ix.clamp(min=0), w - 1)
+    flat = torch.cat([images[i].reshape(-1) for i in group])
+    plane = h * w
+    canvas = torch.stack([flat[at + c * plane] for c in range(3)]).float() * used
+    shift = torch.stack([cx - x0, cy - y0, cx - x0, cy - y0], dim=1).to(torch.float32)
+    rois = torch.cat([torch.zeros(len(group), 1, device=device),
+                      boxes[group].to(device, torch.float32) + shift], dim=1)
+    return _resample(canvas[None], rois, flips[group].to(device), size)
 
 
 def resize_center_crop(images: torch.Tensor, size: int, resize: int) -> torch.Tensor:

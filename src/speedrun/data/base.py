@@ -44,13 +44,14 @@ class BadImages:
 
     files: dict[str, str] = field(default_factory=dict)
     count: int = 0  # decode failures, counting repeats (a bad file fails every epoch)
+    what: str = "skipping unreadable image"  # the warning logged once per file
 
     def add(self, found: list[tuple[str, str]]) -> None:
         for path, reason in found:
             self.count += 1
             if path not in self.files:
                 self.files[path] = reason
-                log.warning("skipping unreadable image %s: %s", path, reason)
+                log.warning("%s %s: %s", self.what, path, reason)
 
 
 class TrainStream(Protocol):
@@ -82,7 +83,7 @@ class DataSource(Protocol):
     std: Sequence[float]
     num_train: int  # examples in the training split (after any recipe subset)
     num_val: int
-    loader: str | None  # what decodes training images ("pil", "dali"); None: tensors in memory
+    loader: str | None  # what decodes training images ("pil", "gpu", "dali"); None: tensors in memory
 
     def train_stream(self, phase: Phase, shard: Shard, seed: int) -> TrainStream: ...
 
@@ -92,6 +93,8 @@ class DataSource(Protocol):
                     crop_pct: float = IMAGENET_CROP_PCT) -> Iterable[Batch]: ...
 
     def skipped_images(self) -> dict[str, int] | None: ...  # files left out so far; None: never any
+
+    def cpu_fallbacks(self) -> int | None: ...  # images the GPU decode path decoded on the CPU; None: no such path
 
     def close(self) -> None: ...
 

@@ -161,6 +161,10 @@ class FashionMNIST:
         """Nothing is ever skipped: the images are tensors in memory."""
         return None
 
+    def cpu_fallbacks(self) -> None:
+        """No decoding at all: the images are tensors in memory."""
+        return None
+
     def close(self) -> None:
         pass
 

@@ -197,8 +197,9 @@ def _sample(split: Split, limit: int | None) -> Split:
 class ImageFolderTrainStream:
     """Training batches for one data setting (`Phase.data_key`); see `data.base.TrainStream`."""
 
-    def __init__(self, dataset: _TrainDecoder, shard: Shard, seed: int, batch_size: int,
+    def __init__(self, dataset: torch.utils.data.Dataset, shard: Shard, seed: int, batch_size: int,
                  options: LoaderOptions, bad: BadImages):
+        # `dataset` is a batch decoder: _TrainDecoder here, `gpu.ByteReader` for the GPU path.
         self._sampler = _EpochBatchSampler(len(dataset), shard, seed, batch_size)
         self._bad = bad
         workers = options.workers
@@ -252,8 +253,9 @@ class ImageFolderSource:
     chosen for this machine). train_examples / val_examples: a fixed, seeded sample of that many
     images across all classes (the same for every run). copies_dir: see the module
     docstring. device: the training device (None: CUDA when available). loader: what decodes
-    training batches, one of `data.LOADERS`: "pil" worker processes, "dali" NVIDIA DALI
-    (`data.dali`) on `device`, "auto" DALI when it is installed and the device is CUDA, else PIL.
+    training batches, one of `data.LOADERS`: "pil" worker processes, "gpu" torchvision's decoder
+    on `device` fed file bytes by the workers (`data.gpu`: nvJPEG on CUDA), "dali" NVIDIA DALI
+    (`data.dali`) on `device`, "auto" the GPU path on CUDA, else PIL.
     """
 
     channels = 3
@@ -289,11 +291,13 @@ class ImageFolderSource:
         if loader == "dali" and not installed():
             raise SpeedrunError("the DALI loader was asked for, but NVIDIA DALI is not installed "
                                 "(pip install 'speedrun[dali]')")
-        use_dali = loader == "dali" or (loader == "auto" and self.device.type == "cuda" and installed())
-        self.loader = "dali" if use_dali else "pil"  # what decodes training batches here
+        if loader == "auto":
+            loader = "gpu" if self.device.type == "cuda" else "pil"
+        self.loader = loader  # what decodes training batches here
         copies = copies_dir or os.environ.get("SPEEDRUN_COPIES") or f"{self.root.resolve()}-sz"
         self.copies_dir = Path(copies).expanduser()
         self.bad_images = BadImages()
+        self.cpu_decoded = BadImages(what="decoding on the CPU")  # the GPU path's fallbacks (not skipped)
         self._indexes: dict[int | None, Index | None] = {}
         self._warned: set[int] = set()
 
@@ -309,6 +313,10 @@ class ImageFolderSource:
         decoding (distinct files, and failures counting repeats)."""
         return {"at_index": len(self.index(None).bad), "files": len(self.bad_images.files),
                 "failures": self.bad_images.count}
+
+    def cpu_fallbacks(self) -> int | None:
+        """Training images the GPU path decoded on the CPU so far, counting repeats (None: another loader)."""
+        return self.cpu_decoded.count if self.loader == "gpu" else None
 
     # -- trees -----------------------------------------------------------------------------
 
@@ -359,6 +367,12 @@ class ImageFolderSource:
                                        self.bad_images)
             except Exception as e:  # optional extra: never worse than the PIL loader
                 log.warning("DALI pipeline failed (%s: %s); decoding with PIL", type(e).__name__, e)
+        if self.loader == "gpu":
+            from speedrun.data.gpu import ByteReader, GpuDecodeTrainStream
+
+            reader = ByteReader(self.copy_root(copy), self._train_split(copy), phase, seed)
+            return GpuDecodeTrainStream(reader, shard, seed, phase.batch_size, self.options, self.device,
+                                        self.bad_images, self.cpu_decoded)
         dataset = _TrainDecoder(self.copy_root(copy), self._train_split(copy), phase, seed, self.options.draft)
         return ImageFolderTrainStream(dataset, shard, seed, phase.batch_size, self.options, self.bad_images)
 

@@ -1,0 +1,295 @@
+"""The GPU decode path (`--loader gpu`): CPU workers only read file bytes, the GPU decodes them.
+
+On an H200 the CPUs, not the GPU, bound training from JPEGs (docs/measurements.md): 16 cores
+decode about 4,200 images/s where ResNet-50 trains at 4,700. So here the DataLoader workers do
+no decoding: for each sample they read the file's bytes and draw its crop and flip, exactly as
+the PIL loader draws them (`transforms.crop_params` with the same `random.Random(seed/epoch/row)`),
+and pack the batch's bytes into one buffer. In the training process the batch is decoded in one
+call, `torchvision.io.decode_jpeg(files, device=...)` (nvJPEG on CUDA, libjpeg-turbo on the
+CPU), and every image is cropped, resized and flipped in one batched `roi_align`
+(`augment.crop_resize_flip_ragged`). On CUDA that happens on a side stream one batch ahead of
+the training step, so decoding overlaps the step.
+
+Files nvJPEG cannot take (not a JPEG, CMYK/YCCK, lossless or arithmetic-coded JPEGs; found from
+the header, `gpu_unsupported`) are decoded by PIL in the worker, that file alone, and counted;
+a file that the batched decode still refuses is retried alone and then decoded on the CPU,
+counted too. A file that nothing decodes is logged, counted and replaced by the next row, as in
+the PIL loader. On the CPU the same code runs with CPU decoding, which is how CI tests it.
+
+The same files in the same order with the same labels as the PIL loader; the pixels differ a
+little (no DCT-scaled decoding, bilinear sampling by roi_align rather than PIL's resize).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from speedrun.data.augment import crop_resize_flip_ragged
+from speedrun.data.base import BadImages, Batch, Shard
+from speedrun.data.imagefolder import MAX_SUBSTITUTES, ImageFolderTrainStream, LoaderOptions
+from speedrun.data.index import Split
+from speedrun.data.transforms import crop_params, open_image
+from speedrun.errors import SpeedrunError, one_line
+from speedrun.recipe import Phase
+
+log = logging.getLogger("speedrun.data")
+
+# Start-of-frame markers nvJPEG decodes: baseline (SOF0), extended (SOF1), progressive (SOF2),
+# all Huffman-coded. The others are lossless, hierarchical or arithmetic-coded.
+_GPU_FRAMES = {0xC0, 0xC1, 0xC2}
+_SOF = set(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}  # C4 = Huffman tables, CC = arithmetic tables
+
+
+def gpu_unsupported(data: bytes | memoryview) -> str | None:
+    """Why nvJPEG cannot decode the file whose bytes are `data` (from its header alone), or None
+    when it can: a baseline, extended or progressive Huffman JPEG of 1 or 3 components."""
+    data = memoryview(data)
+    if bytes(data[:2]) != b"\xff\xd8":
+        return "not a JPEG"
+    i = 2
+    while i + 4 <= len(data):
+        if data[i] != 0xFF:
+            return "damaged JPEG header"
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill byte before a marker
+            i += 1
+            continue
+        if 0xD0 <= marker <= 0xD8 or marker == 0x01:  # markers without a length
+            i += 2
+            continue
+        if marker == 0xDA:  # a scan before any frame header
+            return "damaged JPEG header"
+        if marker in _SOF:
+            if marker not in _GPU_FRAMES:
+                return f"a JPEG coding nvJPEG does not decode (SOF{marker - 0xC0})"
+            components = data[i + 9] if i + 9 < len(data) else 0
+            return None if components in (1, 3) else f"a JPEG of {components} colour components"
+        i += 2 + int.from_bytes(data[i + 2 : i + 4], "big")
+    return "damaged JPEG header"
+
+
+def decode_rgb(path: str) -> torch.Tensor:
+    """The image at `path` decoded by PIL to RGB (any format, CMYK included): uint8 3 x H x W."""
+    with open_image(path) as img:
+        rgb = np.asarray(img.convert("RGB"))
+    return torch.from_numpy(rgb).permute(2, 0, 1).contiguous()
+
+
+@dataclass
+class EncodedBatch:
+    """One training batch as it leaves a worker: bytes to decode, crops to make.
+
+    Sample i's file bytes are packed[offsets[i]:offsets[i + 1]], or, when it was decoded on the
+    CPU, that range is empty and `pixels[i]` holds it (uint8 3 x H x W). `boxes` are crop boxes
+    (x1, y1, x2, y2) as fractions of the image's width and height, so that they fit whatever
+    size the decoder returns.
+    """
+
+    packed: torch.Tensor  # uint8, all encoded files end to end
+    offsets: torch.Tensor  # int64, N + 1
+    pixels: dict[int, torch.Tensor]
+    boxes: torch.Tensor  # float64 N x 4, fractions of the image
+    flips: torch.Tensor  # bool N
+    labels: torch.Tensor  # int64 N
+    rows: list[int]  # the split's rows, for replacing a file found bad after decoding
+    epoch: int
+    bad: list[tuple[str, str]] = field(default_factory=list)  # (path, why) skipped in the worker
+    cpu_decoded: list[str] = field(default_factory=list)  # paths the worker decoded with PIL
+
+    def pin_memory(self) -> EncodedBatch:
+        """Called by the DataLoader (pin_memory=True): page-locked bytes copy to the GPU faster."""
+        self.packed, self.labels = self.packed.pin_memory(), self.labels.pin_memory()
+        return self
+
+    def files(self) -> list[torch.Tensor | None]:
+        """Each sample's encoded bytes (1-D uint8 views), None for those decoded already."""
+        ends = self.offsets.tolist()
+        return [self.packed[a:b] if b > a else None for a, b in zip(ends[:-1], ends[1:])]
+
+
+@dataclass
+class _Sample:
+    data: np.ndarray | None  # encoded bytes, or None when `pixels` holds the decoded image
+    pixels: torch.Tensor | None
+    box: tuple[float, float, float, float]  # fractions of width and height
+    flip: bool
+    label: int
+    row: int
+    path: str
+
+
+class ByteReader(torch.utils.data.Dataset):
+    """Keys are (epoch, row). Reads files and draws crops; decodes only what nvJPEG cannot."""
+
+    def __init__(self, root: Path, split: Split, phase: Phase, seed: int):
+        self.root, self.split, self.phase, self.seed = root, split, phase, seed
+
+    def __len__(self) -> int:
+        return len(self.split)
+
+    def sample(self, epoch: int, row: int, bad: list[tuple[str, str]]) -> _Sample:
+        """Row `row`, or the next rows in turn when it is unreadable (each added to `bad`)."""
+        p = self.phase
+        for attempt in range(MAX_SUBSTITUTES):
+            r = (row + attempt) % len(self.split)
+            path = str(self.root / self.split.path(r))
+            width, height = int(self.split.widths[r]), int(self.split.heights[r])
+            # The PIL loader's draws, in its order: crop, then flip (`transforms.decode_train`).
+            rng = random.Random(f"{self.seed}/{epoch}/{r}")
+            left, top, cw, ch = crop_params(width, height, p.min_scale, rng, p.ratio, p.translate)
+            flip = rng.random() < 0.5 and p.flip
+            box = (left / width, top / height, (left + cw) / width, (top + ch) / height)
+            try:
+                data = np.fromfile(path, dtype=np.uint8)
+                pixels = None
+                if gpu_unsupported(data) is not None:
+                    pixels, data = decode_rgb(path), None
+            except Exception as e:  # unreadable or undecodable: count it, use another sample
+                bad.append((path, one_line(e)))
+                continue
+            return _Sample(data, pixels, box, flip, int(self.split.labels[r]), r, path)
+        raise SpeedrunError(f"{MAX_SUBSTITUTES} unreadable images in a row from {path}: is the data intact?")
+
+    def __getitems__(self, keys: Sequence[tuple[int, int]]) -> EncodedBatch:
+        bad: list[tuple[str, str]] = []
+        samples = [self.sample(epoch, row, bad) for epoch, row in keys]
+        sizes = [0 if s.data is None else len(s.data) for s in samples]
+        offsets = np.concatenate([[0], np.cumsum(sizes)])
+        packed = np.empty(int(offsets[-1]), dtype=np.uint8)
+        for s, a in zip(samples, offsets[:-1]):
+            if s.data is not None:
+                packed[a : a + len(s.data)] = s.data
+        return EncodedBatch(
+            packed=torch.from_numpy(packed),
+            offsets=torch.from_numpy(offsets.astype(np.int64)),
+            pixels={i: s.pixels for i, s in enumerate(samples) if s.pixels is not None},
+            boxes=torch.tensor([s.box for s in samples], dtype=torch.float64),
+            flips=torch.tensor([s.flip for s in samples], dtype=torch.bool),
+            labels=torch.tensor([s.label for s in samples], dtype=torch.int64),
+            rows=[s.row for s in samples],
+            epoch=keys[0][0] if keys else 0,
+            bad=bad,
+            cpu_decoded=[s.path for s in samples if s.pixels is not None],
+        )
+
+    def __getitem__(self, key):
+        return self.__getitems__([key])
+
+
+def _decode(files: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """decode_jpeg on `device` to RGB (torchvision warns that its decoders move to TorchCodec;
+    they are what ships with torch, on the GPU machine too)."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return decode_jpeg(files, mode=ImageReadMode.RGB, device=device)
+
+
+class GpuDecodeTrainStream(ImageFolderTrainStream):
+    """Training batches decoded on `device` (see the module docstring); a `data.base.TrainStream`.
+
+    bad: where undecodable files are recorded; cpu_decoded: where files decoded on the CPU
+    rather than the device are (both `data.base.BadImages`).
+    """
+
+    def __init__(self, reader: ByteReader, shard: Shard, seed: int, batch_size: int, options: LoaderOptions,
+                 device: torch.device, bad: BadImages, cpu_decoded: BadImages):
+        super().__init__(reader, shard, seed, batch_size, options, bad)
+        self.reader, self.device, self.cpu_decoded = reader, device, cpu_decoded
+        # Decoding and cropping run on this stream, one batch ahead of the step that uses them.
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def __iter__(self) -> Iterator[Batch]:
+        pending = None
+        for encoded in self._dataloader:
+            ready = self._prepare(encoded)
+            if pending is not None:
+                yield self._hand_over(pending)
+            pending = ready
+        if pending is not None:
+            yield self._hand_over(pending)
+
+    def _prepare(self, encoded: EncodedBatch) -> Batch:
+        """Decode and crop `encoded` (on the side stream on CUDA: asynchronous)."""
+        if encoded.bad:
+            self._bad.add(encoded.bad)
+        if encoded.cpu_decoded:
+            self.cpu_decoded.add([(path, "nvJPEG cannot decode it") for path in encoded.cpu_decoded])
+        on_side = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+        with on_side:
+            images = self._decode_batch(encoded)
+            sizes = torch.tensor([[im.shape[2], im.shape[1]] * 2 for im in images], dtype=torch.float64)
+            boxes = (encoded.boxes * sizes).float()  # fractions -> pixels of what was decoded
+            size = self.reader.phase.size
+            out = crop_resize_flip_ragged(images, boxes.to(self.device), encoded.flips.to(self.device), size)
+            labels = encoded.labels.to(self.device, non_blocking=True)
+        return out, labels
+
+    def _hand_over(self, batch: Batch) -> Batch:
+        """The batch, safe to use on the current stream: it waits for the side stream's work, and
+        the memory made there is not reused before the current stream is done with it."""
+        if self._stream is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_stream(self._stream)
+            for t in batch:
+                t.record_stream(current)
+        return batch
+
+    def _decode_batch(self, encoded: EncodedBatch) -> list[torch.Tensor]:
+        """Every sample as uint8 3 x H x W on the device: the encoded ones in one call; where that
+        call fails, each alone (`_decode_one`); a file nothing decodes is replaced by the next."""
+        files = encoded.files()
+        todo = [i for i, f in enumerate(files) if f is not None]
+        images: list[torch.Tensor | None] = [None] * len(files)
+        for i, pixels in encoded.pixels.items():
+            images[i] = pixels.to(self.device, non_blocking=True)
+        try:
+            for i, image in zip(todo, _decode([files[i] for i in todo], self.device) if todo else []):
+                images[i] = image
+        except RuntimeError:  # a file the header check let through: find it
+            for i in todo:
+                images[i] = self._decode_one(files[i], str(self.reader.root / self.reader.split.path(encoded.rows[i])))
+        for i in range(len(images)):
+            row = encoded.rows[i]
+            for _ in range(MAX_SUBSTITUTES):
+                if images[i] is not None:
+                    break
+                # Like the PIL loader: the next row takes the slot, with its own crop and flip.
+                row = (row + 1) % len(self.reader)
+                found: list[tuple[str, str]] = []
+                s = self.reader.sample(encoded.epoch, row, found)
+                self._bad.add(found)
+                row = s.row
+                encoded.boxes[i], encoded.flips[i], encoded.labels[i] = torch.tensor(s.box), s.flip, s.label
+                images[i] = (s.pixels.to(self.device) if s.pixels is not None
+                             else self._decode_one(torch.from_numpy(s.data), s.path))
+            else:
+                raise SpeedrunError(f"{MAX_SUBSTITUTES} undecodable images in a row from {self.reader.root}: "
+                                    "is the data intact?")
+        return images  # type: ignore[return-value]
+
+    def _decode_one(self, data: torch.Tensor, path: str) -> torch.Tensor | None:
+        """One file on the device, else on the CPU (counted in `cpu_decoded`); None (counted as
+        bad) when no decoder reads it."""
+        with contextlib.suppress(RuntimeError):
+            return _decode([data], self.device)[0]
+        if self.device.type != "cpu":
+            with contextlib.suppress(RuntimeError):
+                image = _decode([data], torch.device("cpu"))[0].to(self.device)
+                self.cpu_decoded.add([(path, "nvJPEG failed on it")])
+                return image
+        with contextlib.suppress(Exception):
+            image = decode_rgb(path).to(self.device)  # what libjpeg refuses, PIL may still read
+            self.cpu_decoded.add([(path, "libjpeg failed on it; PIL read it")])
+            return image
+        self._bad.add([(path, "no decoder reads it")])
+        return None

@@ -1,0 +1,142 @@
+"""The GPU decode path (`data.gpu`, `--loader gpu`) run on the CPU, as CI can: the workers read
+bytes, torchvision decodes them in the training process, one roi_align crops the batch. It must
+give the PIL loader's files, in its order, with its labels, crops and flips."""
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import torch
+from PIL import Image
+
+from speedrun.data.augment import crop_resize_flip, crop_resize_flip_ragged, random_crop_boxes
+from speedrun.data.base import Shard
+from speedrun.data.gpu import GpuDecodeTrainStream, gpu_unsupported
+from speedrun.data.imagefolder import ImageFolderSource
+from speedrun.recipe import Phase
+from test_data_helpers import make_tree, write_jpeg
+
+CPU = torch.device("cpu")
+SIZES = [(120, 90), (90, 120), (160, 80), (100, 100), (70, 130)]
+PHASE = Phase(0, 1, size=32, batch_size=4, lr=0.1)
+
+
+def _batches(source: ImageFolderSource, epoch: int, shard: Shard = Shard(), start_step: int = 0,
+             phase: Phase = PHASE) -> list:
+    stream = source.train_stream(phase, shard, seed=0)
+    try:
+        stream.set_epoch(epoch, start_step)
+        return list(stream)
+    finally:
+        stream.close()
+
+
+def _sources(root, workers: int = 2) -> tuple[ImageFolderSource, ImageFolderSource]:
+    # draft=False: the PIL loader then decodes at full size too, so the pixels can be compared.
+    return (ImageFolderSource(root, workers=workers, device=CPU, loader="pil", draft=False),
+            ImageFolderSource(root, workers=workers, device=CPU, loader="gpu"))
+
+
+def _mean_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().mean().item()
+
+
+@pytest.fixture
+def tree(tmp_path):
+    return make_tree(tmp_path / "d", classes=3, train_per_class=8, sizes=SIZES)
+
+
+def test_the_same_images_crops_flips_and_labels_as_the_pil_loader(tree):
+    pil, gpu = _sources(tree)
+    assert gpu.loader == "gpu"
+    for shard in (Shard(0, 2), Shard(1, 2)):
+        for epoch, start in ((0, 0), (1, 1)):  # an epoch resumed at step 1 too
+            expected, got = _batches(pil, epoch, shard, start), _batches(gpu, epoch, shard, start)
+            assert len(got) == len(expected) == 3 - start
+            for (x, y), (gx, gy) in zip(expected, got):
+                assert gy.tolist() == y.tolist()
+                assert gx.shape == x.shape == (4, 3, 32, 32) and gx.dtype == torch.uint8
+                # Other decoders and resamplers: a little off, never another crop or flip.
+                assert _mean_difference(gx, x) < 1.5
+    # What "another crop" looks like, so the bound above means something.
+    other = _batches(pil, 2)[0][0]
+    assert _mean_difference(other, _batches(gpu, 0)[0][0]) > 10
+    assert gpu.cpu_fallbacks() == 0 and gpu.bad_images.count == 0
+
+
+def test_one_batched_crop_equals_cropping_each_image_alone():
+    images = [torch.randint(0, 256, (3, h, w), dtype=torch.uint8) for h, w in ((30, 70), (64, 20), (50, 50), (17, 33))]
+    boxes = torch.tensor([[0.0, 0, 70, 30], [2.5, 3.2, 19.9, 60.1], [-5, -5, 55, 55], [3, 3, 10, 9]])
+    flips = torch.tensor([True, False, True, False])
+    together = crop_resize_flip_ragged(images, boxes, flips, 12)
+    for i, image in enumerate(images):
+        alone = crop_resize_flip(image[None], boxes[i : i + 1], flips[i : i + 1], 12)[0]
+        assert (together[i].int() - alone.int()).abs().max() <= 1  # float rounding only
+    # Many images on several canvases: the same crops.
+    same = torch.randint(0, 256, (40, 3, 48, 64), dtype=torch.uint8)
+    boxes, flips = random_crop_boxes(40, 48, 64, 0.2, torch.Generator().manual_seed(0))
+    batched = crop_resize_flip(same, boxes, flips, 16)
+    ragged = crop_resize_flip_ragged(list(same), boxes, flips, 16)
+    assert (batched.int() - ragged.int()).abs().max() <= 1
+
+
+def _encoded(width: int, height: int, **save) -> bytes:
+    buf = io.BytesIO()
+    mode = save.pop("mode", "RGB")
+    Image.new(mode, (width, height)).save(buf, save.pop("format", "JPEG"), **save)
+    return buf.getvalue()
+
+
+def test_the_header_says_which_files_nvjpeg_takes():
+    assert gpu_unsupported(_encoded(40, 30)) is None
+    assert gpu_unsupported(_encoded(40, 30, progressive=True)) is None
+    assert gpu_unsupported(_encoded(40, 30, mode="L")) is None
+    assert gpu_unsupported(_encoded(40, 30, mode="CMYK")) == "a JPEG of 4 colour components"
+    assert gpu_unsupported(_encoded(40, 30, format="PNG")) == "not a JPEG"
+    assert gpu_unsupported(_encoded(40, 30)[:20]) == "damaged JPEG header"
+    assert gpu_unsupported(b"") == "not a JPEG"
+
+
+def test_odd_files_fall_back_to_the_cpu_and_bad_ones_are_replaced_as_in_the_pil_loader(tmp_path, caplog):
+    root = make_tree(tmp_path / "d", classes=2, train_per_class=6, sizes=[(90, 70)])
+    write_jpeg(root / "train/c00/img000.JPEG", 90, 70, seed=50, mode="CMYK")  # header says: CPU
+    write_jpeg(root / "train/c00/img001.JPEG", 90, 70, seed=51, fmt="PNG")  # a PNG named .JPEG: CPU
+    pil, gpu = _sources(root)
+    truncated = root / "train/c01/img002.JPEG"  # after indexing: the header is fine, the body is not
+    truncated.write_bytes(truncated.read_bytes()[:300])
+    phase = Phase(0, 1, size=32, batch_size=12, lr=0.1)  # every file in one batch
+    (x, y), = _batches(pil, 0, phase=phase)
+    (gx, gy), = _batches(gpu, 0, phase=phase)
+    assert gy.tolist() == y.tolist() and gx.shape == x.shape
+    assert _mean_difference(gx, x) < 1.5  # the truncated file's slot got the PIL loader's substitute
+    assert gpu.cpu_fallbacks() == 2
+    assert set(gpu.cpu_decoded.files) == {str(root / "train/c00/img000.JPEG"), str(root / "train/c00/img001.JPEG")}
+    assert set(gpu.bad_images.files) == {str(truncated)} and gpu.skipped_images()["failures"] == 1
+    _batches(gpu, 1, phase=phase)
+    assert gpu.cpu_fallbacks() == 4 and gpu.bad_images.count == 2  # counted every time, like bad files
+
+
+@pytest.mark.slow
+def test_train_with_the_gpu_loader_from_the_command_line(tree, tmp_path):
+    from cli_run import speedrun
+
+    recipe = tmp_path / "r.py"
+    recipe.write_text(
+        "from speedrun.recipe import Phase, Recipe\n"
+        "recipe = Recipe('gpu-path', (Phase(0, 2, size=24, batch_size=8, lr=0.05),), model='resnet-fmnist-tiny',\n"
+        "                dataset='imagefolder', val_batch_size=6)\n")
+    out = tmp_path / "run"
+    proc = speedrun("train", "--recipe", str(recipe), "--data", str(tree), "--loader", "gpu", "--workers", "1",
+                    "--out", str(out), "--target", "none", "--device", "cpu")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "(gpu loader)" in proc.stdout
+    results = json.loads((out / "results.json").read_text())
+    assert results["status"] == "finished" and results["loader"] == "gpu" and results["steps"] == 6
+    assert results["cpu_fallbacks"] == 0
+
+
+def test_the_stream_class_and_auto_on_the_cpu(tree):
+    source = ImageFolderSource(tree, workers=0, device=CPU, loader="gpu")
+    assert isinstance(source.train_stream(PHASE, Shard(), 0), GpuDecodeTrainStream)
+    assert ImageFolderSource(tree, workers=0, device=CPU).loader == "pil"  # auto picks the GPU path on CUDA only
