@@ -12,7 +12,7 @@ tests. Between the two sits a small WSGI layer doing three things, and only thes
    unknown group is refused, and a group in use cannot be deleted, as on AWS. moto also drops an
    instance's group, so the layer keeps it (`placement_of`).
 2. Machines boot: after moto answers RunInstances or StartInstances, each instance whose private
-   address lies in the cluster's subnet becomes a network-namespace host at exactly that address,
+   address lies in one of the cluster's subnets becomes a network-namespace host at exactly that address,
    its sshd admitting the instance's key pair (as cloud-init would install it), logging in as
    root. TerminateInstances and StopInstances take the host down. So SSH, tmux and training
    run for real on the addresses moto handed out.
@@ -21,7 +21,8 @@ tests. Between the two sits a small WSGI layer doing three things, and only thes
 
 The VPC range for tests is 198.51.100.0/24 (TEST-NET-2): speedrun gives zone i of the region the
 i-th /28 of it, which is network slot i of tests/netns.py, so the cluster's slot decides the zone
-(`zone`). Nothing here sends a packet beyond loopback and the namespace hosts.
+(`zone`). A cluster with a second subnet (NetnsCluster.add_subnet) boots instances of a second
+zone too (`zones`), on the same bridge: the two zones' hosts reach each other as a VPC's subnets do. Nothing here sends a packet beyond loopback and the namespace hosts.
 
 Run it by hand (as root) for a shell session against it: `python tests/aws_server.py`.
 """
@@ -108,8 +109,13 @@ class AWSTestServer:
 
     @property
     def zone(self) -> str:
-        """The zone whose subnet is the cluster's network (instances there boot as hosts)."""
+        """The zone whose subnet is the cluster's first network (instances there boot as hosts)."""
         return ZONES[self.cluster.slot]
+
+    @property
+    def zones(self) -> list[str]:
+        """Every zone whose instances boot: one per network of the cluster (`zone` first)."""
+        return [ZONES[slot] for slot in (self.cluster.slot, *self.cluster.extra_slots)]
 
     def environment(self) -> dict[str, str]:
         """Variables that point boto3 (and so speedrun) at this server, with made-up credentials."""
@@ -199,11 +205,12 @@ class AWSTestServer:
         if self.cluster is None or not ids:
             return
         ec2 = self.client()
-        subnet = ipaddress.ip_network(self.cluster.subnet)
+        subnets = [ipaddress.ip_network(n) for n in self.cluster.subnets]
         for r in ec2.describe_instances(InstanceIds=ids)["Reservations"]:
             for inst in r["Instances"]:
                 address = inst.get("PrivateIpAddress")
-                if not address or ipaddress.ip_address(address) not in subnet or inst["InstanceId"] in self.booted:
+                if not address or not any(ipaddress.ip_address(address) in n for n in subnets) or \
+                        inst["InstanceId"] in self.booted:
                     continue
                 key = ec2.describe_key_pairs(KeyNames=[inst["KeyName"]], IncludePublicKey=True)["KeyPairs"][0]
                 with self._lock:

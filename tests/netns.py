@@ -8,7 +8,8 @@ ones: through the OpenSSH client, with a key and host keys made here, over a net
         |-- veth --> namespace speedrun-k-1: eth0 198.51.100.(16k+3), lo, sshd on port 22
         ...
 
-k is a slot (0..15) so that several test sessions can run at once; a slot is held with a file lock
+k is a slot (0..15) so that several test sessions can run at once (`add_subnet` puts a second
+slot's /28 on the same bridge, for hosts in two subnets of one network); a slot is held with a file lock
 for the cluster's lifetime, and whatever a crashed session left in a slot is removed before reuse.
 Only addresses from 198.51.100.0/24 (TEST-NET-2) and loopback are ever used.
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import ipaddress
 import os
 import shutil
 import signal
@@ -106,16 +108,18 @@ class NetnsCluster:
         self.hosts: list[NetnsHost] = []
         self.slot: int | None = None
         self._lock_file = None
+        self.extra_slots: list[int] = []  # more subnets on the same bridge (add_subnet)
+        self._extra_locks: list = []
 
     # --- names: all derive from the slot so that leftovers of a crashed session can be found ---
     def _namespace(self, i: int) -> str:
         return f"speedrun-{self.slot}-{i}"
 
-    def _bridge(self) -> str:
-        return f"srbr{self.slot}"
+    def _bridge(self, slot: int | None = None) -> str:
+        return f"srbr{self.slot if slot is None else slot}"
 
-    def _veth_root(self, i: int) -> str:
-        return f"sr{self.slot}h{i}"
+    def _veth_root(self, i: int, slot: int | None = None) -> str:
+        return f"sr{self.slot if slot is None else slot}h{i}"
 
     def _veth_ns(self, i: int) -> str:
         return f"sr{self.slot}n{i}"
@@ -144,6 +148,26 @@ class NetnsCluster:
     def __exit__(self, *exc) -> None:
         self.stop()
 
+    @property
+    def subnets(self) -> list[str]:
+        """Every network of this cluster: `subnet`, then those of add_subnet."""
+        return [f"{SUBNET_PREFIX}{16 * s}/28" for s in (self.slot, *self.extra_slots)]
+
+    def add_subnet(self) -> str:
+        """Take one more slot and put its /28 on this cluster's bridge, as a second subnet of one
+        network (a VPC's subnet in another zone): the bridge gets the slot's first address, and
+        every host, now and later, reaches the subnet's addresses on its link (no router needed).
+        Returns the subnet, e.g. 198.51.100.32/28; it goes with the cluster."""
+        slot, lock = self._lock_slot(self.slot + 1)
+        self.extra_slots.append(slot)
+        self._extra_locks.append(lock)
+        self._remove_network(slot)  # whatever a crashed session left in that slot
+        subnet = f"{SUBNET_PREFIX}{16 * slot}/28"
+        ip("addr", "add", f"{SUBNET_PREFIX}{16 * slot + 1}/28", "dev", self._bridge())
+        for h in self.hosts:
+            ip("-n", h.namespace, "route", "add", subnet, "dev", "eth0")
+        return subnet
+
     def start(self) -> None:
         """Take a slot, make the bridge and the first num_hosts hosts (their sshd accepting)."""
         reason = unavailable_reason()
@@ -170,7 +194,7 @@ class NetnsCluster:
         return f"{SUBNET_PREFIX}{16 * self.slot}/28"
 
     def add_host(self, address: str, authorized_key: str | None = None) -> NetnsHost:
-        """Bring up a host at `address` (inside `subnet`) whose sshd admits root with
+        """Bring up a host at `address` (inside one of `subnets`) whose sshd admits root with
         `authorized_key` (an OpenSSH public key line; default: client_key's); returns once its sshd
         accepts connections."""
         used = {h.index for h in self.hosts}
@@ -226,6 +250,9 @@ class NetnsCluster:
         ip("-n", ns, "addr", "add", f"{address}/28", "dev", "eth0")
         ip("-n", ns, "link", "set", "eth0", "up")
         ip("-n", ns, "link", "set", "lo", "up")
+        for subnet in self.subnets:  # the others: on the link too (see add_subnet)
+            if ipaddress.ip_address(address) not in ipaddress.ip_network(subnet):
+                ip("-n", ns, "route", "add", subnet, "dev", "eth0")
         self._start_sshd(host)
         wait_for_port(host.address, host.port, timeout=20, what=f"sshd of {host.namespace}")
         return host
@@ -256,22 +283,29 @@ class NetnsCluster:
         if self._lock_file is not None:
             self._lock_file.close()
             self._lock_file = None
+        for f in self._extra_locks:
+            f.close()
+        self.extra_slots, self._extra_locks = [], []
         self.slot = None
         if self._own_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
     # --- steps ---
     def _take_slot(self) -> None:
+        self.slot, self._lock_file = self._lock_slot(self.first_slot)
+
+    @staticmethod
+    def _lock_slot(first: int):
+        """The first free slot from `first` on, and the open file whose lock holds it."""
         LOCK_DIR.mkdir(parents=True, exist_ok=True)
-        for slot in range(self.first_slot, SLOTS):
+        for slot in range(first, SLOTS):
             f = open(LOCK_DIR / f"slot-{slot}.lock", "w")
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 f.close()
                 continue
-            self.slot, self._lock_file = slot, f
-            return
+            return slot, f
         raise RuntimeError(f"all {SLOTS} network slots in {LOCK_DIR} are in use")
 
     def _start_sshd(self, h: NetnsHost) -> None:
@@ -283,17 +317,17 @@ class NetnsCluster:
         )
         log.close()
 
-    def _remove_network(self) -> None:
+    def _remove_network(self, slot: int | None = None) -> None:
+        """Remove what a cluster in `slot` (default this one's) made: namespaces, links, bridge."""
+        slot = self.slot if slot is None else slot
         namespaces = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
-        prefix = f"speedrun-{self.slot}-"
+        prefix = f"speedrun-{slot}-"
         for ns in sorted(n for n in namespaces if n.startswith(prefix)):
             kill_namespace_processes(ns)
             ip("netns", "del", ns, check=False)
-        for i in range(MAX_HOSTS):
-            if Path(f"/sys/class/net/{self._veth_root(i)}").exists():
-                ip("link", "del", self._veth_root(i), check=False)
-        if Path(f"/sys/class/net/{self._bridge()}").exists():
-            ip("link", "del", self._bridge(), check=False)
+        for link in [self._veth_root(i, slot) for i in range(MAX_HOSTS)] + [self._bridge(slot)]:
+            if Path(f"/sys/class/net/{link}").exists():
+                ip("link", "del", link, check=False)
 
 
 def kill_namespace_processes(namespace: str, timeout: float = 10.0,

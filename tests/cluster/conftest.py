@@ -123,7 +123,7 @@ def ssh_job(netns, shared_dir, job_name) -> Callable:
 @pytest.fixture(scope="session")
 def aws_server():
     """moto on 127.0.0.1 behind tests/aws_server.py, whose new instances boot as namespace hosts of a
-    cluster of their own (so its zone's subnet is that cluster's network). Fails under CI, as
+    cluster of their own with two networks (so two zones' subnets are that cluster's networks). Fails under CI, as
     `netns` does, where namespaces cannot be made."""
     reason = unavailable_reason()
     if reason:
@@ -135,9 +135,11 @@ def aws_server():
     # zone-fallback test to have a zone to fall back from.
     cluster = NetnsCluster(0, first_slot=1)
     cluster.start()
-    if cluster.slot >= len(ZONES):
+    cluster.add_subnet()  # a second zone, for replacements that must go elsewhere
+    if cluster.extra_slots[-1] >= len(ZONES):
         cluster.stop()
-        pytest.fail(f"network slot {cluster.slot} has no zone in the test region; too many test sessions at once")
+        pytest.fail(f"network slots {cluster.slot} and {cluster.extra_slots} need zones in the test region; "
+                    f"too many test sessions at once")
     server = AWSTestServer(cluster)
     server.start()
     yield server

@@ -294,24 +294,88 @@ def test_launch_ls_logs_kill_down_from_the_command_line(aws, job_name, tmp_path,
     assert live(job_instances(aws, job_name)) == [] and not registry.exists(job_name)
 
 
+def two_zones(aws) -> tuple[str, str, dict]:
+    """The test server's two zones (the job's, then the one a replacement can go to) and make_job
+    options with no zone pinned; every other zone of the region has no capacity."""
+    from aws_server import ZONES
+    home, other = aws.zones
+    for zone in ZONES:
+        if zone not in (home, other):
+            aws.fail("RunInstances", "InsufficientInstanceCapacity", zone=zone)
+    opts = options(aws)
+    opts.pop("zone")
+    return home, other, opts
+
+
+def task_instance(aws, job: str, index: int) -> dict:
+    return next(i for i in live(job_instances(aws, job)) if aws_provider.tag_value(i, "speedrun:task") == str(index))
+
+
+def test_a_replacement_stays_in_the_jobs_zone_and_goes_to_another_when_it_has_no_capacity(aws, efs_mount, job_name,
+                                                                                          caplog):
+    home, other, opts = two_zones(aws)
+    opts.update(shared_storage=True, efs_mount=efs_mount)
+    job = make_job(job_name, 2, **opts)
+    group = f"speedrun-{job_name}"
+    first = task_instance(aws, job_name, 1)
+    assert first["Placement"]["AvailabilityZone"] == home and aws.placement_of[first["InstanceId"]] == group
+
+    # Capacity in the job's zone: the replacement goes there, into the job's placement group.
+    host = job.provider.replace(1, 2)
+    same = task_instance(aws, job_name, 1)
+    assert same["InstanceId"] != first["InstanceId"] and same["Placement"]["AvailabilityZone"] == home
+    assert aws.placement_of[same["InstanceId"]] == group
+    assert host.spec.host == same["PrivateIpAddress"] and host.shell("echo here").text == "here\n"
+
+    # None there now: the next zone with capacity, outside the group (a cluster placement group is
+    # one zone's), with a subnet and an EFS mount target made in that zone.
+    aws.fail("RunInstances", "InsufficientInstanceCapacity", zone=home)
+    aws.client().terminate_instances(InstanceIds=[same["InstanceId"]])  # as a spot reclaim would
+    caplog.set_level("INFO", logger="speedrun.cluster")
+    host = job.provider.replace(1, 2)
+    moved = task_instance(aws, job_name, 1)
+    assert moved["Placement"]["AvailabilityZone"] == other and moved["InstanceId"] not in aws.placement_of
+    assert aws.placement_of[task_instance(aws, job_name, 0)["InstanceId"]] == group  # task 0 stays in it
+    assert host.spec.host == moved["PrivateIpAddress"] and host.shell("echo there").text == "there\n"
+    assert f"outside placement group {group}" in caplog.text and f"launched 1 on-demand c5.large instance(s) in {other}" \
+        in caplog.text
+    efs = aws.client("efs")
+    (fs,) = efs.describe_file_systems()["FileSystems"]
+    subnets = {n["SubnetId"]: n["AvailabilityZone"] for n in aws.client().describe_subnets()["Subnets"]}
+    targets = [subnets.get(t["SubnetId"]) for t in efs.describe_mount_targets(FileSystemId=fs["FileSystemId"])["MountTargets"]]
+    assert sorted(targets) == [home, other]
+
+    # The job spans two zones now; found again by name, nothing is launched.
+    launches = aws.calls.count("RunInstances")
+    again = make_job(job_name, 2, **opts)
+    assert aws.calls.count("RunInstances") == launches and [t.ip for t in again] == \
+        [task_instance(aws, job_name, 0)["PrivateIpAddress"], moved["PrivateIpAddress"]]
+    main(["down", job_name])
+    assert aws.client().describe_placement_groups()["PlacementGroups"] == []
+
+
 @pytest.mark.slow
-def test_an_instance_terminated_mid_run_is_replaced_and_the_run_finishes(aws, efs_mount, job_name):
+def test_an_instance_terminated_mid_run_is_replaced_in_another_zone_and_the_run_finishes(aws, efs_mount, job_name):
     from cli_run import wait_for
     from speedrun.track import read_jsonl
     from test_cluster_recovery import start_watch
 
-    job = make_job(job_name, 2, **options(aws, shared_storage=True, efs_mount=efs_mount))
+    home, other, opts = two_zones(aws)
+    job = make_job(job_name, 2, **{**opts, "shared_storage": True, "efs_mount": efs_mount})
     job.launch([*TRAIN, "--epochs", "8", "--out", job.run_dir], env=ONE_THREAD)
     thread, outcome = start_watch(job)
     wait_for(lambda: Path(job.run_dir, "checkpoint.pt").exists(), 300, "the first checkpoint")
-    old = next(i for i in live(job_instances(aws, job_name)) if aws_provider.tag_value(i, "speedrun:task") == "1")
+    old = task_instance(aws, job_name, 1)
+    aws.fail("RunInstances", "InsufficientInstanceCapacity", zone=home)  # the job's zone is full now
     aws.client().terminate_instances(InstanceIds=[old["InstanceId"]])  # as a spot reclaim would
     thread.join(timeout=900)
     try:
         assert not thread.is_alive() and "error" not in outcome, outcome
         assert [s.state for s in outcome["states"]] == ["succeeded", "succeeded"]
-        new = next(i for i in live(job_instances(aws, job_name)) if aws_provider.tag_value(i, "speedrun:task") == "1")
+        new = task_instance(aws, job_name, 1)
         assert new["InstanceId"] != old["InstanceId"] and job[1].ip == new["PrivateIpAddress"] != old["PrivateIpAddress"]
+        # Trained on across the two zones' subnets.
+        assert (old["Placement"]["AvailabilityZone"], new["Placement"]["AvailabilityZone"]) == (home, other)
         (event,) = read_jsonl(Path(job.run_dir) / "recoveries.jsonl")
         assert event["replaced"] == {"1": [f"root@{old['PrivateIpAddress']}", f"root@{new['PrivateIpAddress']}"]}
         results = json.loads(Path(job.run_dir, "results.json").read_text())

@@ -11,9 +11,11 @@
    (the zone's sixteenth of the VPC), a security group admitting SSH from `ssh_cidr` only and all
    traffic between its members (NCCL, NFS), a key pair per region (ed25519, made here; the private
    key stays in $SPEEDRUN_HOME/keys with mode 0600), an EFS file system with a mount target in
-   the zone, and a cluster placement group per job. No rule ever admits 0.0.0.0/0.
+   each zone used, and a cluster placement group per job. No rule ever admits 0.0.0.0/0.
 3. Launch all missing instances in one zone (placement groups and NCCL want one); on a capacity
-   error the next zone is tried; spot falls back to on-demand only when allowed. Quota errors
+   error the next zone is tried; spot falls back to on-demand only when allowed. A replacement for
+   a lost instance (`replace`) goes to the job's zone, else the next zone with capacity, there
+   outside the job's placement group (which holds one zone). Quota errors
    name the quota and the vCPUs asked for. If anything fails after instances started, they are
    terminated (or, failing that, listed).
 4. Wait until each answers SSH. Host keys: the first key an instance speedrun just launched or
@@ -54,6 +56,9 @@ log = logging.getLogger("speedrun.cluster")
 
 MANAGED = "speedrun:managed"  # tag on everything speedrun makes; only such things are ever changed or removed
 JOB_TAG, TASK_TAG = "speedrun:job", "speedrun:task"
+# On instances launched into the job's placement group: the group is in their zone (the group's zone
+# cannot be read back from every API, and a cluster placement group holds one zone only).
+GROUP_TAG = "speedrun:placement-group"
 RESOURCE = "speedrun"  # the name of the shared resources (VPC, subnets, security group)
 DEFAULT_IMAGE = "Deep Learning OSS Nvidia Driver AMI GPU PyTorch * (Ubuntu 22.04) *"
 LIVE_STATES = ("pending", "running", "stopping", "stopped")
@@ -517,8 +522,10 @@ class AWSProvider(Provider):
                                   accept_new_host_keys=first_contact))
 
     # --- bringing up ---
-    def bring_up(self, count: int) -> list[Host]:
-        """The job's `count` instances running and answering SSH, prepared; launched where missing."""
+    def bring_up(self, count: int, *, other_zones: bool = False) -> list[Host]:
+        """The job's `count` instances running and answering SSH, prepared; launched where missing:
+        in the job's zone(s), and with other_zones (a replacement) then the region's other zones in
+        name order, unless `zone` pins one."""
         s, c = self.session, self.config
         by_task = {i: inst for i, inst in s.job_instances(self.job).items() if i < count}
         fresh: set[str] = set()  # instances whose host keys are learned now (launched or started)
@@ -537,9 +544,13 @@ class AWSProvider(Provider):
             ensure_ingress(s, net.security_group, c.ssh_cidr or (c.vpc_cidr if c.private_ips else caller_cidr()))
             key_name, _ = ensure_key_pair(s, self.config_dir)
             if missing:
-                zones = {inst["Placement"]["AvailabilityZone"] for inst in by_task.values()}
-                order = sorted(zones) if zones else ([c.zone] if c.zone else s.zones())
-                new = self.launch_instances(missing, order, net, key_name)
+                zones = sorted({inst["Placement"]["AvailabilityZone"] for inst in by_task.values()})
+                order = zones or ([c.zone] if c.zone else s.zones())
+                if other_zones and not c.zone:
+                    order += [z for z in s.zones() if z not in order]
+                group_zone = next((inst["Placement"]["AvailabilityZone"] for inst in by_task.values()
+                                   if tag_value(inst, GROUP_TAG)), None)
+                new = self.launch_instances(missing, order, net, key_name, group_zone)
                 launched = [inst["InstanceId"] for inst in new]
                 by_task.update(zip(missing, new))
                 fresh |= set(launched)
@@ -554,9 +565,12 @@ class AWSProvider(Provider):
                 if inst["InstanceId"] in fresh:
                     forget_host_key(self.known_hosts, host.spec.host)  # a key left from an earlier tenant of the address
             parallel(lambda h: wait_for_ssh(h, c.boot_timeout), hosts)
-            zone = instances[0]["Placement"]["AvailabilityZone"]
-            efs = ensure_efs(s, ensure_subnet(s, net, zone), net.security_group) if c.shared_storage else None
-            parallel(lambda pair: prepare_host(pair[1], pair[0], c, efs), list(zip(instances, hosts)))
+            # A host mounts EFS through the mount target of its own zone (a replacement may be elsewhere).
+            zones = {inst["Placement"]["AvailabilityZone"] for inst in instances}
+            efs = {z: ensure_efs(s, ensure_subnet(s, net, z), net.security_group) for z in sorted(zones)} \
+                if c.shared_storage else {}
+            parallel(lambda pair: prepare_host(pair[1], pair[0], c, efs.get(pair[0]["Placement"]["AvailabilityZone"])),
+                     list(zip(instances, hosts)))
             return hosts
         except BaseException as e:
             if started and not launched:
@@ -586,8 +600,11 @@ class AWSProvider(Provider):
             if s.ec2.describe_placement_groups(Filters=[{"Name": "group-name", "Values": [name]}])["PlacementGroups"]:
                 s.ec2.delete_placement_group(GroupName=name)
 
-    def launch_instances(self, tasks: list[int], zones: list[str], net: Network, key_name: str) -> list[dict[str, Any]]:
-        """run_instances for these task indices, all in one zone: the first of `zones` with capacity."""
+    def launch_instances(self, tasks: list[int], zones: list[str], net: Network, key_name: str,
+                         group_zone: str | None = None) -> list[dict[str, Any]]:
+        """run_instances for these task indices, all in one zone: the first of `zones` with capacity.
+        group_zone: where the job's placement group has instances (None: it has none); launches in
+        another zone go without the group."""
         s, c = self.session, self.config
         image = find_image(s, c.image, c.image_owner)
         if c.placement_group:
@@ -598,8 +615,10 @@ class AWSProvider(Provider):
             tried = []
             for zone in zones:
                 subnet = ensure_subnet(s, net, zone)
+                grouped = c.placement_group and group_zone in (None, zone)
                 try:
-                    r = s.ec2.run_instances(**self.run_instances_args(image, market, zone, subnet, net, key_name, n))
+                    r = s.ec2.run_instances(**self.run_instances_args(image, market, zone, subnet, net, key_name, n,
+                                                                      grouped))
                 except Exception as e:
                     code = error_code(e)
                     if code in CAPACITY_ERRORS:
@@ -618,6 +637,9 @@ class AWSProvider(Provider):
                                           Tags=[{"Key": TASK_TAG, "Value": str(i)}, {"Key": "Name", "Value": f"{self.job}-{i}"}])
                 log.info("launched %d %s %s instance(s) in %s: %s", n, market, c.instance_type, zone,
                          ", ".join(i["InstanceId"] for i in instances))
+                if c.placement_group and not grouped:
+                    log.info("they run outside placement group %s, whose instances are in %s (a cluster placement "
+                             "group holds one zone): slower links to the others", self.placement_group_name, group_zone)
                 return instances
             if market == "spot" and len(markets) > 1:
                 log.info("no spot capacity for %d x %s in %s; trying on-demand", n, c.instance_type, ", ".join(tried))
@@ -629,7 +651,8 @@ class AWSProvider(Provider):
                             f"{', '.join(tried)}); try later, another region or zone, or fewer instances")
 
     def run_instances_args(self, image: dict[str, Any], market: str, zone: str, subnet: str, net: Network,
-                           key_name: str, n: int) -> dict[str, Any]:
+                           key_name: str, n: int, grouped: bool) -> dict[str, Any]:
+        """RunInstances' arguments; grouped: into the job's placement group."""
         c = self.config
         disks = [{"DeviceName": image.get("RootDeviceName", "/dev/sda1"),
                   "Ebs": {"VolumeSize": c.disk_gb, "VolumeType": "gp3", "DeleteOnTermination": True}}]
@@ -637,14 +660,16 @@ class AWSProvider(Provider):
             disks.append({"DeviceName": DATA_DEVICE, "Ebs": {"SnapshotId": c.data_snapshot, "VolumeType": "gp3",
                                                              "DeleteOnTermination": True}})
         placement = {"AvailabilityZone": zone}
-        if c.placement_group:
+        instance_tags = {JOB_TAG: self.job}
+        if grouped:
             placement["GroupName"] = self.placement_group_name
+            instance_tags[GROUP_TAG] = self.placement_group_name
         args = dict(
             ImageId=image["ImageId"], InstanceType=c.instance_type, MinCount=n, MaxCount=n, KeyName=key_name,
             SubnetId=subnet, SecurityGroupIds=[net.security_group], Placement=placement, BlockDeviceMappings=disks,
             # A host that powers itself off (autostop) stops, keeping its disk; a spot one cannot stop.
             InstanceInitiatedShutdownBehavior="terminate" if market == "spot" else "stop",
-            TagSpecifications=[{"ResourceType": kind, "Tags": tags(self.job, **{JOB_TAG: self.job})}
+            TagSpecifications=[{"ResourceType": kind, "Tags": tags(self.job, **instance_tags)}
                                for kind in ("instance", "volume")],
         )
         if market == "spot":
@@ -666,11 +691,13 @@ class AWSProvider(Provider):
                 f"({error_code(error)}); ask AWS for more: Service Quotas > Amazon EC2 > {name}")
 
     def replace(self, index: int, count: int) -> Host:
-        """A new instance for task `index` (the lost one is terminated if it still exists)."""
+        """A new instance for task `index` (the lost one is terminated if it still exists): in the
+        job's zone, else (no capacity there) the region's next zone that has some, unless `zone`
+        pins one; outside the job's placement group there, as the log says."""
         lost = self.session.job_instances(self.job).get(index)
         if lost is not None:
             self.session.terminate([lost["InstanceId"]])
-        self._hosts = self.bring_up(count)
+        self._hosts = self.bring_up(count, other_zones=True)
         return self._hosts[index]
 
     def environment(self) -> dict[str, str]:
