@@ -13,8 +13,9 @@ is speedrun / torchvision. With DALI installed, speedrun with `--loader dali` (D
 decoder, on as many threads as there are workers) is timed too. A last row times speedrun
 reading the resized copy the 2018 recipes use at that size (160 px copy for crops <= 128 px,
 352 px copy above), as training would. Also: `prepare` throughput (images/s and per core) making
-160 and 352 px copies, and optionally (`--train`, CUDA) training images/s of a model fed by the
-speedrun loader, next to the same model fed by one batch kept on the GPU.
+160 and 352 px copies, and optionally (`--train`, CUDA) training images/s of a model fed from the
+JPEGs by each of `--train-loaders` (pil: decode in the workers; gpu: the GPU decode path), next
+to the same model fed by one batch kept on the GPU (the synthetic rate, the model alone).
 
     python benchmarks/loader.py                      # generates ~3,000 images in a temp dir
     python benchmarks/loader.py --images 20000 --sizes 128 224 --train resnet50 --json out.json
@@ -41,6 +42,8 @@ def _timed(batches_iter, warmup: int, batches: int) -> tuple[float, int]:
     for _ in range(batches):
         x = next(it)[0]
         images += x.shape[0]
+    if x.is_cuda:  # the GPU path hands out batches before the device has made them
+        torch.cuda.synchronize(x.device)
     return images / (time.perf_counter() - start), images
 
 
@@ -53,15 +56,15 @@ def _enough_epochs(stream_factory):
 
 
 def bench_speedrun(tree: Path, size: int, batch: int, workers: int, warmup: int, batches: int,
-                   copy: int | None = None, copies_dir: Path | None = None, loader: str = "pil") -> float:
-    """Images/s of speedrun's train stream on the CPU: PIL worker processes, or DALI's CPU decoder
-    on `workers` threads (`loader="dali"`)."""
+                   copy: int | None = None, copies_dir: Path | None = None, loader: str = "pil",
+                   device: str = "cpu") -> float:
+    """Images/s of speedrun's train stream: PIL worker processes, DALI's CPU decoder on `workers`
+    threads (`loader="dali"`), or the GPU decode path on `device` (`loader="gpu"`)."""
     from speedrun.data.base import Shard
     from speedrun.data.imagefolder import ImageFolderSource
     from speedrun.recipe import Phase
 
-    source = ImageFolderSource(tree, workers=workers, pin_memory=False, copies_dir=copies_dir,
-                               device=torch.device("cpu"), loader=loader)
+    source = ImageFolderSource(tree, workers=workers, copies_dir=copies_dir, device=torch.device(device), loader=loader)
     stream = source.train_stream(Phase(0, 1, size=size, batch_size=batch, lr=0.1, copy=copy), Shard(), seed=0)
 
     def epoch(e):
@@ -100,64 +103,71 @@ def bench_prepare(tree: Path, dst: Path, workers: int, sizes: list[int]) -> dict
 
 
 def bench_train(tree: Path, model_name: str, size: int, batch: int, workers: int, warmup: int, steps: int,
-                device_name: str = "cuda") -> dict:
-    """Training images/s (SGD step, bf16 autocast, channels-last) fed by the loader vs by one GPU batch."""
-    import torchvision
+                device_name: str = "cuda", loaders: tuple[str, ...] = ("pil", "gpu")) -> dict:
+    """Training images/s of speedrun's step (`learner.train_step`: bf16 autocast on CUDA,
+    channels-last, fused SGD on CUDA) fed by each of `loaders` (`--loader` values) from the JPEG
+    tree, next to the same step on one batch kept on the device (synthetic: the model alone)."""
+    from torch import nn
 
     from speedrun.data.base import Shard, normalize_on_device
     from speedrun.data.imagefolder import IMAGENET_MEAN, IMAGENET_STD, ImageFolderSource
-    from speedrun.recipe import Phase
+    from speedrun.learner import choose_precision, device_capability, train_step
+    from speedrun.model import build_model
+    from speedrun.optim import build_optimizer
+    from speedrun.recipe import OptimizerSettings, Phase
 
     device = torch.device(device_name)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     torch.backends.cudnn.benchmark = True
-    model = getattr(torchvision.models, model_name)(num_classes=1000).to(device, memory_format=torch.channels_last)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model = build_model(model_name, num_classes=1000).to(device, memory_format=torch.channels_last)
+    optimizer = build_optimizer(model, OptimizerSettings(weight_decay=5e-5), lr=0.1, fused=device.type == "cuda")
+    precision = choose_precision("auto", device.type, device_capability(device))
+    criterion = nn.CrossEntropyLoss()
     mean = torch.tensor(IMAGENET_MEAN, device=device).view(3, 1, 1)
     std = torch.tensor(IMAGENET_STD, device=device).view(3, 1, 1)
 
     def step(x, y):
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+        x = normalize_on_device(x, mean, std, device, True)
+        train_step(model, optimizer, criterion, x, y.to(device, non_blocking=True), precision)
 
     def run(batches) -> float:
         it = iter(batches)
         for _ in range(warmup):
-            x, y = next(it)
-            step(normalize_on_device(x, mean, std, device, True), y.to(device, non_blocking=True))
+            step(*next(it))
         sync()
         start = time.perf_counter()
         for _ in range(steps):
-            x, y = next(it)
-            step(normalize_on_device(x, mean, std, device, True), y.to(device, non_blocking=True))
+            step(*next(it))
         sync()
         return steps * batch / (time.perf_counter() - start)
 
-    source = ImageFolderSource(tree, workers=workers, pin_memory=device.type == "cuda")
-    stream = source.train_stream(Phase(0, 1, size=size, batch_size=batch, lr=0.1), Shard(), seed=0)
+    row: dict = {"model": model_name, "size": size, "batch": batch, "precision": precision}
+    first = None
+    for loader in loaders:
+        source = ImageFolderSource(tree, workers=workers, device=device, loader=loader)
+        stream = source.train_stream(Phase(0, 1, size=size, batch_size=batch, lr=0.1), Shard(), seed=0)
 
-    def epoch(e):
-        stream.set_epoch(e)
-        return iter(stream)
+        def epoch(e, stream=stream):
+            stream.set_epoch(e)
+            return iter(stream)
 
-    try:
-        fed = run(_enough_epochs(epoch))
-    finally:
-        stream.close()
-    x0, y0 = next(iter(epoch(0)))
-    x0, y0 = x0.to(device), y0.to(device)
-    stream.close()
+        try:
+            row[f"{loader}_images_per_s"] = round(run(_enough_epochs(epoch)), 1)
+            if first is None:
+                first = next(iter(epoch(0)))
+        finally:
+            stream.close()
+        row[f"{loader}_cpu_fallbacks"] = source.cpu_fallbacks()
+    x0, y0 = first[0].to(device), first[1].to(device)
 
     def same():
         while True:
             yield x0, y0
 
-    gpu_only = run(same())
-    return {"model": model_name, "size": size, "batch": batch, "loader_images_per_s": round(fed, 1),
-            "gpu_only_images_per_s": round(gpu_only, 1)}
+    row["synthetic_images_per_s"] = round(run(same()), 1)
+    for loader in loaders:
+        row[f"{loader}_vs_synthetic"] = round(row[f"{loader}_images_per_s"] / row["synthetic_images_per_s"], 3)
+    return row
 
 
 def main() -> None:
@@ -171,7 +181,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, help="untimed batches first (default: 2 x workers + 4)")
     p.add_argument("--batches", type=int, help="timed batches (default: max(30, 6 x workers))")
     p.add_argument("--no-prepare", action="store_true", help="skip the prepare benchmark")
-    p.add_argument("--train", metavar="MODEL", help="also time training of this torchvision model on CUDA (e.g. resnet50)")
+    p.add_argument("--train", metavar="MODEL", help="also time training of this model (speedrun's names: resnet50) on CUDA")
+    p.add_argument("--train-loaders", nargs="+", default=["pil", "gpu"], help="--loader values to feed it (default pil gpu)")
     p.add_argument("--train-steps", type=int, default=60)
     p.add_argument("--train-device", default="cuda", help="device for --train (default cuda)")
     p.add_argument("--json", type=Path, help="write the results here too")
@@ -206,6 +217,11 @@ def main() -> None:
             print(f"{size:4d} px  full size: speedrun {ours:8,.0f} images/s   torchvision {theirs:8,.0f} images/s   "
                   f"ratio {ours / theirs:.2f}x   ({args.workers} workers, batch {args.batch}, "
                   f"{batches} timed batches)", flush=True)
+            if torch.cuda.is_available():
+                rate = bench_speedrun(tree, size, args.batch, args.workers, warmup, batches, loader="gpu", device="cuda")
+                row["speedrun_gpu_decode_images_per_s"] = round(rate, 1)
+                print(f"{size:4d} px  full size: speedrun --loader gpu (nvJPEG, {args.workers} workers reading) "
+                      f"{rate:8,.0f} images/s   ratio {rate / theirs:.2f}x", flush=True)
             if dali_installed():
                 rate = bench_speedrun(tree, size, args.batch, args.workers, warmup, batches, loader="dali")
                 row["speedrun_dali_cpu_images_per_s"] = round(rate, 1)
@@ -228,10 +244,12 @@ def main() -> None:
             for size in args.sizes:
                 # Warm-up past the prefetched queue, so the timed steps wait on the loader if it is slower.
                 tr = bench_train(tree, args.train, size, args.batch, args.workers, 4 * args.workers + 10,
-                                 args.train_steps, args.train_device)
+                                 args.train_steps, args.train_device, tuple(args.train_loaders))
                 results["train"].append(tr)
-                print(f"train {args.train} {size} px batch {args.batch}: fed by loader {tr['loader_images_per_s']:,.0f} "
-                      f"images/s, GPU-resident batch {tr['gpu_only_images_per_s']:,.0f} images/s", flush=True)
+                fed = ", ".join(f"--loader {name} {tr[f'{name}_images_per_s']:,.0f} images/s "
+                                f"({tr[f'{name}_vs_synthetic']:.0%})" for name in args.train_loaders)
+                print(f"train {args.train} {size} px batch {args.batch}: {fed}; synthetic "
+                      f"{tr['synthetic_images_per_s']:,.0f} images/s", flush=True)
     finally:
         shutil.rmtree(copies, ignore_errors=True)
         if tmp is not None:

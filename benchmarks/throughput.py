@@ -1,21 +1,27 @@
 """Training throughput (images/s) of one model on synthetic data: speedrun's step settings side by
-side with a plain baseline, and their ratio.
+side with a plain baseline, and the effect of each setting taken away.
 
-    baseline   fp32, NCHW memory layout, eager                  (torchvision reference defaults)
-    speedrun   bf16 autocast on CUDA (fp32 on CPU), channels_last, eager     (speedrun train)
-    +compile   the same with torch.compile                                   (speedrun train --compile)
+    baseline        fp32, NCHW memory layout, eager, torch's default SGD   (torchvision reference defaults)
+    speedrun        bf16 autocast on CUDA (fp32 on CPU), channels_last, fused SGD, cuDNN autotuning
+                    (speedrun train's step on a GPU)
+    no-bf16         speedrun without bf16 (fp32)
+    no-channels-last speedrun with NCHW memory
+    no-fused        speedrun with torch's default (foreach) SGD
+    no-autotune     speedrun without cuDNN autotuning (torch.backends.cudnn.benchmark = False)
+    +compile        speedrun with torch.compile                             (speedrun train --compile)
 
-Both use the same model, optimizer (SGD momentum, no weight decay on norm/bias) and train step
+All use the same model, optimizer (SGD momentum, no weight decay on norm/bias) and train step
 (`speedrun.learner.train_step`); data are random tensors already on the device, so this measures
 the model's step alone. On a GPU:
 
-    PYTHONPATH=src python benchmarks/throughput.py --model resnet50 --sizes 128 224 288 --batch 256 192 128
+    PYTHONPATH=src python benchmarks/throughput.py --model resnet50 --sizes 128 224 288 --batch 256 256 192
 
 On the CPU (a quick check that it runs): the defaults below, a small model at small sizes.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import torch
@@ -26,23 +32,29 @@ from speedrun.model import build_model
 from speedrun.optim import build_optimizer
 from speedrun.recipe import OptimizerSettings
 
+SPEEDRUN = dict(precision="auto", channels_last=True, compile=False, fused=True, autotune=True)
 VARIANTS = {
-    "baseline": dict(precision="fp32", channels_last=False, compile=False),
-    "speedrun": dict(precision="auto", channels_last=True, compile=False),
-    "+compile": dict(precision="auto", channels_last=True, compile=True),
+    "baseline": dict(precision="fp32", channels_last=False, compile=False, fused=False, autotune=True),
+    "speedrun": SPEEDRUN,
+    "no-bf16": {**SPEEDRUN, "precision": "fp32"},
+    "no-channels-last": {**SPEEDRUN, "channels_last": False},
+    "no-fused": {**SPEEDRUN, "fused": False},
+    "no-autotune": {**SPEEDRUN, "autotune": False},
+    "+compile": {**SPEEDRUN, "compile": True},
 }
 
 
 def images_per_second(model_name: str, size: int, batch: int, device: torch.device, steps: int, warmup: int,
-                      precision: str, channels_last: bool, compile: bool) -> float:
+                      precision: str, channels_last: bool, compile: bool, fused: bool, autotune: bool) -> float:
     """Steady-state training images/s: `warmup` untimed steps (cuDNN autotuning, compilation),
     then `steps` timed ones."""
     torch.manual_seed(0)
+    torch.backends.cudnn.benchmark = autotune
     precision = choose_precision(precision, device.type, device_capability(device))
     scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
     layout = torch.channels_last if channels_last else torch.contiguous_format
     model = build_model(model_name, num_classes=1000, in_chans=3).to(device, memory_format=layout)
-    optimizer = build_optimizer(model, OptimizerSettings(weight_decay=1e-4), lr=0.01)
+    optimizer = build_optimizer(model, OptimizerSettings(weight_decay=1e-4), lr=0.01, fused=fused)
     net = torch.compile(model, dynamic=False) if compile else model
     x = torch.randn(batch, 3, size, size, device=device).contiguous(memory_format=layout)
     y = torch.randint(0, 1000, (batch,), device=device)
@@ -71,19 +83,25 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30 if cuda else 3)
     parser.add_argument("--warmup", type=int, default=10 if cuda else 1)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS) if cuda else ["baseline", "speedrun"], choices=list(VARIANTS))
+    parser.add_argument("--json", help="also write the images/s per size and variant here")
     args = parser.parse_args()
     if len(args.batch) != len(args.sizes):
         parser.error("give one --batch per --sizes entry")
     device = torch.device("cuda" if cuda else "cpu")
-    if cuda:
-        torch.backends.cudnn.benchmark = True
     name = torch.cuda.get_device_name() if cuda else "cpu"
     print(f"{args.model} training images/s on {name}, torch {torch.__version__}, synthetic data")
-    print(f"{'size':>6} {'batch':>6} " + " ".join(f"{v:>10}" for v in args.variants) + "   ratio vs baseline")
+    reference = "baseline" if "baseline" in args.variants else args.variants[0]
+    print(f"{'size':>6} {'batch':>6} " + " ".join(f"{v:>14}" for v in args.variants) + f"   ratio vs {reference}")
+    rows = []
     for size, batch in zip(args.sizes, args.batch):
         rates = {v: images_per_second(args.model, size, batch, device, args.steps, args.warmup, **VARIANTS[v]) for v in args.variants}
-        ratios = ", ".join(f"{v} {rates[v] / rates['baseline']:.2f}x" for v in args.variants if v != "baseline" and "baseline" in rates)
-        print(f"{size:>6} {batch:>6} " + " ".join(f"{rates[v]:>10.0f}" for v in args.variants) + f"   {ratios}", flush=True)
+        ratios = ", ".join(f"{v} {rates[v] / rates[reference]:.2f}x" for v in args.variants if v != reference)
+        print(f"{size:>6} {batch:>6} " + " ".join(f"{rates[v]:>14.0f}" for v in args.variants) + f"   {ratios}", flush=True)
+        rows.append({"size": size, "batch": batch, "images_per_s": {v: round(r, 1) for v, r in rates.items()}})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "device": name, "torch": torch.__version__, "steps": args.steps,
+                       "warmup": args.warmup, "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

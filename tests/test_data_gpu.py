@@ -10,6 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
+from speedrun.data import augment
 from speedrun.data.augment import crop_resize_flip, crop_resize_flip_ragged, random_crop_boxes
 from speedrun.data.base import Shard
 from speedrun.data.gpu import GpuDecodeTrainStream, gpu_unsupported
@@ -65,7 +66,7 @@ def test_the_same_images_crops_flips_and_labels_as_the_pil_loader(tree):
     assert gpu.cpu_fallbacks() == 0 and gpu.bad_images.count == 0
 
 
-def test_one_batched_crop_equals_cropping_each_image_alone():
+def test_one_batched_crop_equals_cropping_each_image_alone(monkeypatch):
     images = [torch.randint(0, 256, (3, h, w), dtype=torch.uint8) for h, w in ((30, 70), (64, 20), (50, 50), (17, 33))]
     boxes = torch.tensor([[0.0, 0, 70, 30], [2.5, 3.2, 19.9, 60.1], [-5, -5, 55, 55], [3, 3, 10, 9]])
     flips = torch.tensor([True, False, True, False])
@@ -73,12 +74,13 @@ def test_one_batched_crop_equals_cropping_each_image_alone():
     for i, image in enumerate(images):
         alone = crop_resize_flip(image[None], boxes[i : i + 1], flips[i : i + 1], 12)[0]
         assert (together[i].int() - alone.int()).abs().max() <= 1  # float rounding only
-    # Many images on several canvases: the same crops.
+    # Many images, on one canvas and on several (a canvas holds at most MAX_CANVAS_PX): the same crops.
     same = torch.randint(0, 256, (40, 3, 48, 64), dtype=torch.uint8)
     boxes, flips = random_crop_boxes(40, 48, 64, 0.2, torch.Generator().manual_seed(0))
     batched = crop_resize_flip(same, boxes, flips, 16)
-    ragged = crop_resize_flip_ragged(list(same), boxes, flips, 16)
-    assert (batched.int() - ragged.int()).abs().max() <= 1
+    assert (batched.int() - crop_resize_flip_ragged(list(same), boxes, flips, 16).int()).abs().max() <= 1
+    monkeypatch.setattr(augment, "MAX_CANVAS_PX", 3 * 66 * 50)  # about three images a canvas
+    assert (batched.int() - crop_resize_flip_ragged(list(same), boxes, flips, 16).int()).abs().max() <= 1
 
 
 def _encoded(width: int, height: int, **save) -> bytes:

@@ -84,3 +84,22 @@ def test_lars_scales_each_decayed_layer_by_its_trust_ratio_and_leaves_norms_to_s
     assert not 0.5 < ratio < 2  # a real adaptation, not plain SGD
     assert torch.allclose(m.conv.weight, w - lr * ratio * (g + wd * w), atol=1e-7)
     assert torch.allclose(m.bn.weight, bn_w - lr * bn_g, atol=1e-7)
+
+
+def test_fused_sgd_takes_the_same_steps_as_the_default():
+    # The trainer uses the fused update on GPUs; it must be the same optimizer, only faster.
+    models = []
+    for fused in (False, True):
+        torch.manual_seed(0)
+        m = Mixed()
+        opt = build_optimizer(m, OptimizerSettings(name="sgd", momentum=0.9, weight_decay=1e-3, nesterov=True),
+                              lr=0.1, fused=fused)
+        assert opt.defaults["fused"] is (True if fused else None)
+        for step in range(3):
+            torch.manual_seed(step)
+            opt.zero_grad()
+            m.fc(m.ln(m.gn(m.bn(m.conv(torch.randn(2, 3, 6, 6)))).mean((2, 3)))).square().sum().backward()
+            opt.step()
+        models.append(m)
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.allclose(a, b, atol=1e-6)

@@ -100,6 +100,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("name", nargs="?", help="a built-in recipe name or a recipe .py file")
     p.add_argument("--data", default=None, metavar="PATH",
                    help=f"the image folder a fitted recipe ({', '.join(FITTED)}) is fitted to")
+    p.add_argument("--project", metavar="RATES",
+                   help="projected wall time of the recipe (without a name: of each ImageNet schedule) from training "
+                   "images/s per GPU by size: 128=10842,224=4702,288=2900 or a GPU check's summary .json")
+    p.add_argument("--gpus", type=int, default=None, help="with --project: GPUs (default: as many as the recipe was written for)")
+    p.add_argument("--scaling", type=float, default=1.0,
+                   help="with --project: the fraction of linear speed-up kept across GPUs (default 1.0)")
     p.set_defaults(func=cmd_recipes)
 
 
@@ -338,6 +344,8 @@ def strip_option(argv: list[str], name: str) -> list[str]:
 
 def cmd_recipes(args: argparse.Namespace) -> int:
     console = Console()
+    if args.project:
+        return print_projection(console, args)
     if args.name is None:
         table = Table("name", "model", "dataset", "devices", "epochs", "target", box=None)
         for r in BUILTIN.values():
@@ -357,6 +365,31 @@ def cmd_recipes(args: argparse.Namespace) -> int:
         + (f", weight EMA decay {recipe.ema_decay}" if recipe.ema_decay else "")
     )
     print_table(console, recipe.table(), boxed=True)
+    return 0
+
+
+def print_projection(console: Console, args: argparse.Namespace) -> int:
+    """`speedrun recipes [NAME] --project RATES`: minutes each schedule would take at those rates,
+    next to the 2018 record's and MLPerf's (speedrun.projection)."""
+    from speedrun.projection import MLPERF_H200_MINUTES, RECORD_MINUTES, project, read_rates
+
+    rates = read_rates(args.project)
+    if args.name is None:
+        recipes = [r for name, r in BUILTIN.items() if name in RECORD_MINUTES]
+    else:
+        recipes = [recipe_for(args.name, args.data) if args.data or args.name not in FITTED else BUILTIN[args.name]]
+    sizes = ", ".join(f"{s} px {r:,.0f}" for s, r in sorted(rates.images_per_s.items()))
+    console.print(f"projected on {rates.device}: training images/s per GPU {sizes}; scaling {args.scaling:g}; "
+                  "start-up and compilation not counted")
+    rows = []
+    for recipe in recipes:
+        p = project(recipe, rates, args.gpus, args.scaling)
+        record = RECORD_MINUTES.get(recipe.name)
+        rows.append({"recipe": recipe.name, "GPUs": p.gpus, "train min": f"{p.train_s / 60:.1f}",
+                     "eval min": f"{p.eval_s / 60:.1f}", "projected min": f"{p.total_s / 60:.1f}",
+                     "2018 record min (V100s)": f"{record:.1f}" if record else "-"})
+    print_table(console, rows, boxed=True)
+    console.print(f"MLPerf v4.0, 8 x H200 (NVIDIA; 75.9% top-1, a little easier than 93% top-5): {MLPERF_H200_MINUTES} min")
     return 0
 
 

@@ -38,8 +38,10 @@ def param_groups(model: nn.Module, weight_decay: float, no_decay: str = "norm_bi
     return groups
 
 
-def build_optimizer(model: nn.Module, settings: OptimizerSettings, lr: float) -> torch.optim.Optimizer:
-    """SGD with momentum, or LARS (timm's implementation), over `param_groups`.
+def build_optimizer(model: nn.Module, settings: OptimizerSettings, lr: float, fused: bool = False) -> torch.optim.Optimizer:
+    """SGD with momentum, or LARS (timm's implementation), over `param_groups`. `fused`: SGD's
+    update in one kernel per device and dtype rather than torch's default, a few multi-tensor
+    kernels per step (LARS has no fused form).
 
     LARS adapts the step only of groups with weight decay, so norms and biases take plain SGD
     steps, as in You et al. 2017 and MLPerf's ResNet-50. (Not timm's create_optimizer_v2: its
@@ -47,7 +49,8 @@ def build_optimizer(model: nn.Module, settings: OptimizerSettings, lr: float) ->
     """
     groups = param_groups(model, settings.weight_decay, settings.no_decay)
     if settings.name == "sgd":
-        return torch.optim.SGD(groups, lr=lr, momentum=settings.momentum, nesterov=settings.nesterov)
+        return torch.optim.SGD(groups, lr=lr, momentum=settings.momentum, nesterov=settings.nesterov,
+                               fused=fused or None)
     if settings.name == "lars":
         from timm.optim import Lars
 

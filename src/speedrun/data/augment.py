@@ -15,7 +15,7 @@ import torch
 import torchvision.transforms.v2.functional as TF
 from torchvision.ops import roi_align
 
-from speedrun.data.base import Batch, Shard, epoch_generator, epoch_permutation, rank_indices
+from speedrun.data.base import Batch, Shard, epoch_generator, epoch_permutation, rank_indices, to_device
 from speedrun.recipe import IMAGENET_RATIO, Phase
 
 
@@ -81,26 +81,22 @@ def crop_resize_flip_ragged(images: list[torch.Tensor], boxes: torch.Tensor, fli
     shelves, tallest first, with one gather; then one roi_align resamples every box. The result
     equals `crop_resize_flip` on the separate images.
     """
-    device = images[0].device
-    boxes = boxes.detach().to("cpu", torch.float64)
+    boxes = boxes.detach().to("cpu", torch.float64)  # the packing is planned on the host
     lo, hi = boxes.floor().to(torch.int64) - 1, boxes.ceil().to(torch.int64) + 1
     windows = torch.cat([lo[:, :2], hi[:, 2:] - lo[:, :2]], dim=1).tolist()  # x0, y0, width, height
-    out = torch.empty(len(images), 3, size, size, dtype=torch.uint8, device=device)
-    group: list[int] = []
-    area = 0
+    groups, start, area = [], 0, 0  # runs of consecutive images, one canvas each
     for i, (_, _, w, h) in enumerate(windows):
-        if group and area + w * h > MAX_CANVAS_PX:
-            out[group] = _canvas_crops(images, boxes, windows, group, flips, size)
-            group, area = [], 0
-        group.append(i)
+        if i > start and area + w * h > MAX_CANVAS_PX:
+            groups.append(range(start, i))
+            start, area = i, 0
         area += w * h
-    out[group] = _canvas_crops(images, boxes, windows, group, flips, size)
-    return out
+    groups.append(range(start, len(windows)))
+    return torch.cat([_canvas_crops(images, boxes, windows, g, flips, size) for g in groups])
 
 
-def _canvas_crops(images: list[torch.Tensor], boxes: torch.Tensor, windows: list[list[int]], group: list[int],
+def _canvas_crops(images: list[torch.Tensor], boxes: torch.Tensor, windows: list[list[int]], group: range,
                   flips: torch.Tensor, size: int) -> torch.Tensor:
-    """The crops of the images in `group` (indices), from one canvas (see crop_resize_flip_ragged)."""
+    """The crops of the images in `group`, from one canvas (see crop_resize_flip_ragged)."""
     device = images[0].device
     # Shelf packing: windows left to right, tallest first, in rows about as wide as the canvas is tall.
     width = max(max(windows[i][2] for i in group), math.isqrt(sum(windows[i][2] * windows[i][3] for i in group)))
@@ -130,7 +126,7 @@ def _canvas_crops(images: list[torch.Tensor], boxes: torch.Tensor, windows: list
     starts = [0, *itertools.accumulate(numel)][:-1]
     table = torch.tensor([[place[k][0], place[k][1], windows[i][0], windows[i][1], windows[i][3],
                            shapes[k][1], shapes[k][2], starts[k]] for k, i in enumerate(group)], dtype=torch.int64)
-    table, row_shelf, col_window = (t.to(device, non_blocking=True) for t in (table, row_shelf, col_window))
+    table, row_shelf, col_window = (to_device(t, device) for t in (table, row_shelf, col_window))
     cx, cy, x0, y0, win_h, img_h, img_w, start = table.unbind(1)
 
     k = col_window[row_shelf]  # height x width
@@ -149,8 +145,8 @@ def _canvas_crops(images: list[torch.Tensor], boxes: torch.Tensor, windows: list
     canvas = torch.stack([flat[at + c * plane] for c in range(3)]).float() * used
     shift = torch.stack([cx - x0, cy - y0, cx - x0, cy - y0], dim=1).to(torch.float32)
     rois = torch.cat([torch.zeros(len(group), 1, device=device),
-                      boxes[group].to(device, torch.float32) + shift], dim=1)
-    return _resample(canvas[None], rois, flips[group].to(device), size)
+                      to_device(boxes[group.start : group.stop].float(), device) + shift], dim=1)
+    return _resample(canvas[None], rois, to_device(flips[group.start : group.stop], device), size)
 
 
 def resize_center_crop(images: torch.Tensor, size: int, resize: int) -> torch.Tensor:

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from speedrun.data.augment import crop_resize_flip_ragged
-from speedrun.data.base import BadImages, Batch, Shard
+from speedrun.data.base import BadImages, Batch, Shard, to_device
 from speedrun.data.imagefolder import MAX_SUBSTITUTES, ImageFolderTrainStream, LoaderOptions
 from speedrun.data.index import Split
 from speedrun.data.transforms import crop_params, open_image
@@ -228,10 +228,9 @@ class GpuDecodeTrainStream(ImageFolderTrainStream):
         with on_side:
             images = self._decode_batch(encoded)
             sizes = torch.tensor([[im.shape[2], im.shape[1]] * 2 for im in images], dtype=torch.float64)
-            boxes = (encoded.boxes * sizes).float()  # fractions -> pixels of what was decoded
-            size = self.reader.phase.size
-            out = crop_resize_flip_ragged(images, boxes.to(self.device), encoded.flips.to(self.device), size)
-            labels = encoded.labels.to(self.device, non_blocking=True)
+            boxes = encoded.boxes * sizes  # fractions -> pixels of what was decoded
+            out = crop_resize_flip_ragged(images, boxes, encoded.flips, self.reader.phase.size)
+            labels = to_device(encoded.labels, self.device)
         return out, labels
 
     def _hand_over(self, batch: Batch) -> Batch:
@@ -251,7 +250,7 @@ class GpuDecodeTrainStream(ImageFolderTrainStream):
         todo = [i for i, f in enumerate(files) if f is not None]
         images: list[torch.Tensor | None] = [None] * len(files)
         for i, pixels in encoded.pixels.items():
-            images[i] = pixels.to(self.device, non_blocking=True)
+            images[i] = to_device(pixels, self.device)
         try:
             for i, image in zip(todo, _decode([files[i] for i in todo], self.device) if todo else []):
                 images[i] = image
