@@ -8,7 +8,8 @@
 #      (bf16, channels_last, fused SGD, cuDNN autotuning)            -> gpu-check-step.json
 #   2. the same step with torch.compile at 224 px                    -> gpu-check-compile.json
 #   3. a generated ImageNet-shaped JPEG tree: decode-only images/s of the PIL loader, torchvision's
-#      ImageFolder and the GPU decode path; then ResNet-50 training fed from the JPEGs by the PIL
+#      ImageFolder and the GPU decode path; the GPU path's batches against the PIL loader's (same
+#      labels? how far apart are the pixels?); then ResNet-50 training fed from the JPEGs by the PIL
 #      loader and by the GPU decode path, next to the synthetic rate  -> gpu-check-feed.json
 #   4. the goals (fed >= 95% of synthetic at every size; synthetic >= 7,800 images/s at 224 px,
 #      MLPerf v4.0's pace per H200) and the projected time of each ImageNet schedule on 8 such
@@ -48,7 +49,11 @@ device = (out / "device.txt").read_text().split(",")[0].strip()
 summary = {"device": device, "images_per_s": {}, "goals": {}}
 feed = out / "gpu-check-feed.json"
 if feed.exists():
-    for row in json.loads(feed.read_text()).get("train", []):
+    feed = json.loads(feed.read_text())
+    if "gpu_path_agreement" in feed:  # nvJPEG + the batched crop against the PIL loader, same samples
+        summary["agreement"] = feed["gpu_path_agreement"]
+        summary["goals"]["gpu_path_same_labels_as_pil"] = feed["gpu_path_agreement"]["labels_equal"]
+    for row in feed.get("train", []):
         size = str(row["size"])
         summary["images_per_s"][size] = row["gpu_images_per_s"]  # what training from JPEGs reaches
         for name in ("pil", "gpu"):

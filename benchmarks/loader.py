@@ -78,6 +78,31 @@ def bench_speedrun(tree: Path, size: int, batch: int, workers: int, warmup: int,
     return rate
 
 
+def gpu_path_agreement(tree: Path, size: int, batch: int, workers: int, device: str, batches: int = 3) -> dict:
+    """The GPU decode path on `device` against the PIL loader (full-size decoding) on the first
+    `batches` batches: are the labels the same, and how far apart are the pixels (mean and largest
+    absolute difference, 0..255)? tests/test_data_gpu.py asserts this on the CPU; this is the
+    check on a GPU, where nvJPEG decodes."""
+    from speedrun.data.base import Shard
+    from speedrun.data.imagefolder import ImageFolderSource
+    from speedrun.recipe import Phase
+
+    phase = Phase(0, 1, size=size, batch_size=batch, lr=0.1)
+    out = []
+    for loader in ("pil", "gpu"):
+        source = ImageFolderSource(tree, workers=workers, device=torch.device(device), loader=loader, draft=False)
+        stream = source.train_stream(phase, Shard(), seed=0)
+        stream.set_epoch(0)
+        it = iter(stream)
+        out.append([tuple(t.cpu() for t in next(it)) for _ in range(batches)])
+        stream.close()
+    labels_equal = all(torch.equal(a[1], b[1]) for a, b in zip(*out))
+    diffs = [(a[0].float() - b[0].float()).abs() for a, b in zip(*out)]
+    return {"size": size, "batches": batches, "labels_equal": labels_equal,
+            "mean_abs_difference": round(sum(d.mean().item() for d in diffs) / len(diffs), 3),
+            "max_abs_difference": max(d.max().item() for d in diffs)}
+
+
 def bench_torchvision(tree: Path, size: int, batch: int, workers: int, warmup: int, batches: int) -> float:
     from torch.utils.data import DataLoader
     from torchvision import datasets, transforms
@@ -228,6 +253,12 @@ def main() -> None:
                 row["dali_cpu_ratio"] = round(rate / theirs, 2)
                 print(f"{size:4d} px  full size: speedrun --loader dali (DALI's CPU decoder, {args.workers} threads) "
                       f"{rate:8,.0f} images/s   ratio {rate / theirs:.2f}x", flush=True)
+        if torch.cuda.is_available():
+            check = gpu_path_agreement(tree, args.sizes[0], args.batch, args.workers, "cuda")
+            results["gpu_path_agreement"] = check
+            print(f"GPU decode path vs PIL loader at {check['size']} px: labels equal {check['labels_equal']}, "
+                  f"pixels differ by {check['mean_abs_difference']} on average, {check['max_abs_difference']:.0f} "
+                  "at most (0..255)", flush=True)
         if not args.no_prepare:
             pr = bench_prepare(tree, copies, args.workers, [160, 352])
             results["prepare"] = pr
