@@ -34,7 +34,7 @@ import torch
 
 from speedrun.data.augment import crop_resize_flip_ragged
 from speedrun.data.base import BadImages, Batch, Shard, to_device
-from speedrun.data.imagefolder import MAX_SUBSTITUTES, ImageFolderTrainStream, LoaderOptions
+from speedrun.data.imagefolder import MAX_SUBSTITUTES, ImageFolderTrainStream, LoaderOptions, shared_buffer
 from speedrun.data.index import Split
 from speedrun.data.transforms import crop_params, open_image
 from speedrun.errors import SpeedrunError, one_line
@@ -163,12 +163,13 @@ class ByteReader(torch.utils.data.Dataset):
         samples = [self.sample(epoch, row, bad) for epoch, row in keys]
         sizes = [0 if s.data is None else len(s.data) for s in samples]
         offsets = np.concatenate([[0], np.cumsum(sizes)])
-        packed = np.empty(int(offsets[-1]), dtype=np.uint8)
+        packed = shared_buffer((int(offsets[-1]),))
+        view = packed.numpy()
         for s, a in zip(samples, offsets[:-1]):
             if s.data is not None:
-                packed[a : a + len(s.data)] = s.data
+                view[a : a + len(s.data)] = s.data
         return EncodedBatch(
-            packed=torch.from_numpy(packed),
+            packed=packed,
             offsets=torch.from_numpy(offsets.astype(np.int64)),
             pixels={i: s.pixels for i, s in enumerate(samples) if s.pixels is not None},
             boxes=torch.tensor([s.box for s in samples], dtype=torch.float64),

@@ -76,7 +76,7 @@ def default_workers() -> int:
 # Map-style datasets that decode whole batches (DataLoader calls __getitems__ with a batch).
 
 
-def _batch_buffer(shape: tuple[int, ...]) -> torch.Tensor:
+def shared_buffer(shape: tuple[int, ...]) -> torch.Tensor:
     """A uint8 buffer; in a worker, allocated in shared memory so sending it copies nothing."""
     buf = torch.empty(shape, dtype=torch.uint8)
     return buf.share_memory_() if get_worker_info() is not None else buf
@@ -100,7 +100,7 @@ class _TrainDecoder(torch.utils.data.Dataset):
     def __getitems__(self, keys: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor, list]:
         n, phase = len(keys), self.phase
         size = phase.size
-        images = _batch_buffer((n, size, size, 3))
+        images = shared_buffer((n, size, size, 3))
         pixels = images.numpy()
         labels = torch.empty(n, dtype=torch.int64)
         bad: list[tuple[str, str]] = []
@@ -137,7 +137,7 @@ class _EvalDecoder(torch.utils.data.Dataset):
 
     def __getitems__(self, keys: Sequence[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor, list]:
         _, height, width = keys[0]
-        images = _batch_buffer((len(keys), height, width, 3))
+        images = shared_buffer((len(keys), height, width, 3))
         pixels = images.numpy()
         labels = torch.empty(len(keys), dtype=torch.int64)
         bad, kept = [], 0
