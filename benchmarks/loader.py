@@ -12,7 +12,9 @@ window several times longer, so the figure is the steady state, not a drained qu
 is speedrun / torchvision. With DALI installed, speedrun with `--loader dali` (DALI's CPU
 decoder, on as many threads as there are workers) is timed too. A last row times speedrun
 reading the resized copy the 2018 recipes use at that size (160 px copy for crops <= 128 px,
-352 px copy above), as training would. Also: `prepare` throughput (images/s and per core) making
+352 px copy above), as training would. Then one core's share of each loader's work, in this
+process: the PIL loader's decode + crop against the GPU decode path's byte reading (what the CPUs
+still do when the GPU decodes); on CUDA, the GPU path's own rate and its agreement with PIL. Also: `prepare` throughput (images/s and per core) making
 160 and 352 px copies, and optionally (`--train`, CUDA) training images/s of a model fed from the
 JPEGs by each of `--train-loaders` (pil: decode in the workers; gpu: the GPU decode path), next
 to the same model fed by one batch kept on the GPU (the synthetic rate, the model alone).
@@ -101,6 +103,27 @@ def gpu_path_agreement(tree: Path, size: int, batch: int, workers: int, device: 
     return {"size": size, "batches": batches, "labels_equal": labels_equal,
             "mean_abs_difference": round(sum(d.mean().item() for d in diffs) / len(diffs), 3),
             "max_abs_difference": max(d.max().item() for d in diffs)}
+
+
+def bench_worker_work(tree: Path, size: int, batch: int, batches: int) -> dict:
+    """Images/s of one core doing one worker's job, in this process: the PIL loader's (decode, crop,
+    resize) against the GPU path's (read the bytes, draw the crop). What is left to the CPUs when
+    the GPU decodes."""
+    from speedrun.data.gpu import ByteReader
+    from speedrun.data.imagefolder import ImageFolderSource, _TrainDecoder
+    from speedrun.recipe import Phase
+
+    split = ImageFolderSource(tree, workers=1, device=torch.device("cpu"))._train_split(None)
+    phase = Phase(0, 1, size=size, batch_size=batch, lr=0.1)
+    keys = [[(0, (i * batch + j) % len(split)) for j in range(batch)] for i in range(batches)]
+    row = {"size": size}
+    for name, dataset in (("pil", _TrainDecoder(tree, split, phase, 0, True)), ("gpu", ByteReader(tree, split, phase, 0))):
+        start = time.perf_counter()
+        for k in keys:
+            dataset.__getitems__(k)
+        row[f"{name}_worker_images_per_s_per_core"] = round(len(keys) * batch / (time.perf_counter() - start), 1)
+    row["ratio"] = round(row["gpu_worker_images_per_s_per_core"] / row["pil_worker_images_per_s_per_core"], 1)
+    return row
 
 
 def bench_torchvision(tree: Path, size: int, batch: int, workers: int, warmup: int, batches: int) -> float:
@@ -253,6 +276,13 @@ def main() -> None:
                 row["dali_cpu_ratio"] = round(rate / theirs, 2)
                 print(f"{size:4d} px  full size: speedrun --loader dali (DALI's CPU decoder, {args.workers} threads) "
                       f"{rate:8,.0f} images/s   ratio {rate / theirs:.2f}x", flush=True)
+        results["worker_work"] = []
+        for size in args.sizes:
+            row = bench_worker_work(tree, size, args.batch, max(4, batches // 4))
+            results["worker_work"].append(row)
+            print(f"{size:4d} px  one core's worker work: PIL decode + crop {row['pil_worker_images_per_s_per_core']:,.0f} "
+                  f"images/s; GPU path (read bytes, draw crop) {row['gpu_worker_images_per_s_per_core']:,.0f} images/s"
+                  f"   ratio {row['ratio']}x", flush=True)
         if torch.cuda.is_available():
             check = gpu_path_agreement(tree, args.sizes[0], args.batch, args.workers, "cuda")
             results["gpu_path_agreement"] = check
