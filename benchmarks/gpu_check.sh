@@ -25,8 +25,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "import torch, torchvision; print('torch', torch.__version__, 'torchvision', torchvision.__version__)" \
     | tee -a "$out/device.txt"
 
-echo "== 1. step settings, synthetic data (180 s at most)"
-timeout 180 python3 benchmarks/throughput.py --model resnet50 --sizes 128 224 288 --batch 256 256 192 \
+echo "== 1. step settings, synthetic data (160 s at most)"
+timeout 160 python3 benchmarks/throughput.py --model resnet50 --sizes 128 224 288 --batch 256 256 192 \
     --steps 25 --warmup 8 --variants baseline speedrun no-bf16 no-channels-last no-fused no-autotune \
     --json "$out/gpu-check-step.json" 2>&1 | tee "$out/step.txt"
 
@@ -34,8 +34,8 @@ echo "== 2. torch.compile at 224 px (110 s at most)"
 timeout 110 python3 benchmarks/throughput.py --model resnet50 --sizes 224 --batch 256 --steps 25 --warmup 8 \
     --variants speedrun +compile --json "$out/gpu-check-compile.json" 2>&1 | tee "$out/compile.txt"
 
-echo "== 3. fed from JPEGs: PIL loader vs the GPU decode path (170 s at most)"
-timeout 170 python3 benchmarks/loader.py --images 12000 --classes 100 --sizes 128 224 288 --batch 256 \
+echo "== 3. fed from JPEGs: PIL loader vs the GPU decode path (200 s at most)"
+timeout 200 python3 benchmarks/loader.py --images 12000 --classes 100 --sizes 128 224 288 --batch 256 \
     --workers "$workers" --warmup $((2 * workers + 4)) --batches 40 --no-prepare \
     --train resnet50 --train-loaders pil gpu --train-steps 40 --json "$out/gpu-check-feed.json" 2>&1 | tee "$out/feed.txt"
 
