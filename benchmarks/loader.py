@@ -218,6 +218,12 @@ def bench_train(tree: Path, model_name: str, size: int, batch: int, workers: int
     return row
 
 
+def save(path: Path | None, results: dict) -> None:
+    """Write what is measured so far (a run cut short by a timeout keeps its finished parts)."""
+    if path is not None:
+        path.write_text(json.dumps(results, indent=2))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tree", type=Path, help="existing ImageNet-shaped tree (default: generate one in a temp dir)")
@@ -262,6 +268,7 @@ def main() -> None:
             row = {"size": size, "speedrun_images_per_s": round(ours, 1), "torchvision_images_per_s": round(theirs, 1),
                    "ratio": round(ours / theirs, 2)}
             results["loader"].append(row)
+            save(args.json, results)
             print(f"{size:4d} px  full size: speedrun {ours:8,.0f} images/s   torchvision {theirs:8,.0f} images/s   "
                   f"ratio {ours / theirs:.2f}x   ({args.workers} workers, batch {args.batch}, "
                   f"{batches} timed batches)", flush=True)
@@ -280,12 +287,14 @@ def main() -> None:
         for size in args.sizes:
             row = bench_worker_work(tree, size, args.batch, max(4, batches // 4))
             results["worker_work"].append(row)
+            save(args.json, results)
             print(f"{size:4d} px  one core's worker work: PIL decode + crop {row['pil_worker_images_per_s_per_core']:,.0f} "
                   f"images/s; GPU path (read bytes, draw crop) {row['gpu_worker_images_per_s_per_core']:,.0f} images/s"
                   f"   ratio {row['ratio']}x", flush=True)
         if torch.cuda.is_available():
             check = gpu_path_agreement(tree, args.sizes[0], args.batch, args.workers, "cuda")
             results["gpu_path_agreement"] = check
+            save(args.json, results)
             print(f"GPU decode path vs PIL loader at {check['size']} px: labels equal {check['labels_equal']}, "
                   f"pixels differ by {check['mean_abs_difference']} on average, {check['max_abs_difference']:.0f} "
                   "at most (0..255)", flush=True)
@@ -307,6 +316,7 @@ def main() -> None:
                 tr = bench_train(tree, args.train, size, args.batch, args.workers, 4 * args.workers + 10,
                                  args.train_steps, args.train_device, tuple(args.train_loaders))
                 results["train"].append(tr)
+                save(args.json, results)
                 fed = ", ".join(f"--loader {name} {tr[f'{name}_images_per_s']:,.0f} images/s "
                                 f"({tr[f'{name}_vs_synthetic']:.0%})" for name in args.train_loaders)
                 print(f"train {args.train} {size} px batch {args.batch}: {fed}; synthetic "
@@ -315,8 +325,7 @@ def main() -> None:
         shutil.rmtree(copies, ignore_errors=True)
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+    save(args.json, results)
 
 
 if __name__ == "__main__":
