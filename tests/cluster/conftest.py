@@ -13,7 +13,7 @@ from typing import Callable
 import pytest
 
 from speedrun.cluster import SSHOptions, make_job
-from netns import NetnsCluster, unavailable_reason
+from netns import NetnsCluster, require
 
 _names = itertools.count()
 
@@ -84,11 +84,7 @@ def netns() -> NetnsCluster:
     """Two hosts as network namespaces running sshd (see tests/netns.py). Skipped
     where namespaces cannot be made, except under CI (CI=true), where that is a failure: the
     multi-host tests must run there."""
-    reason = unavailable_reason()
-    if reason:
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail(f"CI must run the multi-host tests, but {reason}")
-        pytest.skip(reason)
+    require("the multi-host tests")
     cluster = NetnsCluster(2)
     cluster.start()
     yield cluster
@@ -125,11 +121,7 @@ def aws_server():
     """moto on 127.0.0.1 behind tests/aws_server.py, whose new instances boot as namespace hosts of a
     cluster of their own with two networks (so two zones' subnets are that cluster's networks). Fails under CI, as
     `netns` does, where namespaces cannot be made."""
-    reason = unavailable_reason()
-    if reason:
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail(f"CI must run the AWS tests, but {reason}")
-        pytest.skip(reason)
+    require("the AWS tests")
     from aws_server import ZONES, AWSTestServer
     # Slot 1 or later: zone i's subnet is slot i, and zone a must come before the test zone for the
     # zone-fallback test to have a zone to fall back from.

@@ -64,3 +64,17 @@ def test_an_unknown_host_key_is_one_line_and_exit_status_2(netns, shared_dir, tm
 def test_bad_input_is_one_line_and_exit_status_2(argv, message, capsys):
     assert main(argv) == 2
     assert message in error_line(capsys)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--watcher-host", "root@ctl"], "--watcher-host needs --recover (it says where the recovering watcher runs)"),
+    (["--recover", "--watcher-host", "root@ctl"],
+     "the local provider's machines cannot be watched from another host: --watcher-host needs --provider ssh or aws"),
+    (["--hosts", "root@gpu1", "--recover", "--watcher-host", "root@ctl"],
+     "a watcher on another host reaches the job's hosts with a key copied there: give it with --identity"),
+    (["--recover", "--watcher-host", "root@ctl:notaport"], "bad host 'root@ctl:notaport'"),
+])
+def test_a_watcher_host_that_cannot_work_is_one_line_before_anything_starts(flags, message, capsys):
+    assert main(["launch", "wh", *flags, "--", "x.py"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"speedrun: error: {message}") and "\n" not in err

@@ -4,14 +4,13 @@ job carries on on the spare without a person (speedrun.cluster.recovery)."""
 from __future__ import annotations
 
 import json
-import os
 import threading
 from pathlib import Path
 
 import pytest
 
 from cli_run import wait_for
-from netns import NetnsCluster, unavailable_reason
+from netns import NetnsCluster, require
 from speedrun.cluster import SSHOptions, make_job
 from speedrun.cluster.recovery import watch
 from speedrun.track import read_jsonl
@@ -38,11 +37,7 @@ def start_watch(job, max_restarts: int = 3) -> tuple[threading.Thread, dict]:
 
 @pytest.fixture
 def three_hosts():
-    reason = unavailable_reason()
-    if reason:
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail(f"CI must run the recovery tests, but {reason}")
-        pytest.skip(reason)
+    require("the recovery tests")
     with NetnsCluster(3) as cluster:
         yield cluster
 

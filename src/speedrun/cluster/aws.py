@@ -700,6 +700,13 @@ class AWSProvider(Provider):
         self._hosts = self.bring_up(count, other_zones=True)
         return self._hosts[index]
 
+    def relocate(self, home: str) -> tuple[dict[str, Any], dict[str, Path]]:
+        """The region's private key and the pinned host keys go to `home`; AWS credentials do not
+        (the controller has its own: an instance role, or its ~/.aws)."""
+        region = self.session.region
+        files = {"known_hosts": self.known_hosts, f"keys/aws-{region}": key_path(region, self.config_dir)}
+        return {**self.record(), "config_dir": home}, files
+
     def environment(self) -> dict[str, str]:
         # A spot instance gets two minutes' notice: `speedrun train` then stops at a step, resumable.
         return {NOTICE_ENV: IMDS_NOTICE_URL} if self.config.spot else {}

@@ -41,7 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("ls", help="list jobs: tasks, hosts, state, uptime")
     p.add_argument("name", nargs="?", help="only this job")
-    p.add_argument("--window", default="train", help="the command whose state is shown (default train)")
+    p.add_argument("--window", help="the command whose state is shown (default: the job's launched one, train)")
     p.set_defaults(func=cmd_ls)
 
     p = sub.add_parser("attach", help="attach this terminal to a task's tmux session (Ctrl-b d detaches)")
@@ -54,12 +54,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("name", help="job name")
     p.add_argument("task", nargs="?", type=int, help="only this task")
     p.add_argument("-f", "--follow", action="store_true", help="keep printing until the command ends")
-    p.add_argument("--window", default="train", help="whose log (default train; also setup, tensorboard...)")
+    p.add_argument("--window", help="whose log (default: the job's launched command, train; also setup...)")
     p.set_defaults(func=cmd_logs)
 
-    p = sub.add_parser("kill", help="stop a job: kill its tmux sessions (logs and run directory stay)")
+    p = sub.add_parser("kill", help="stop a job: kill its tmux sessions (logs and run directory stay) and its "
+                                    "watcher on a controller host")
     p.add_argument("name", help="job name")
     p.set_defaults(func=cmd_kill)
+
+    p = sub.add_parser("watch", help="watch and recover a job on the controller host that `speedrun launch "
+                                     "--recover --watcher-host` prepared (it runs this itself)")
+    p.add_argument("name", help="job name")
+    p.set_defaults(func=cmd_watch)
 
     p = sub.add_parser("down", help="end a job for good: terminate the instances speedrun started for it "
                                     "(or just kill its sessions on your own machines) and forget it")
@@ -104,6 +110,9 @@ def add_launch_options(p: argparse.ArgumentParser) -> None:
                    help="watch the job until it ends (as --wait) and keep it going: replace lost hosts (ssh: the "
                         "spare hosts listed beyond the tasks; aws: new instances) and resume from the checkpoint")
     p.add_argument("--max-restarts", type=int, default=3, help="with --recover: at most this many recoveries (default 3)")
+    p.add_argument("--watcher-host", metavar="USER@HOST[:PORT]",
+                   help="with --recover: run the watcher on this long-lived host (reached with the ssh options "
+                        "below) instead of in this process, which then returns; see docs/cluster.md")
     g = p.add_argument_group("ssh")
     g.add_argument("--identity", type=Path, help="private key (default: ssh's own choice and agent)")
     g.add_argument("--known-hosts", type=Path,
@@ -152,8 +161,9 @@ class StderrHandler(logging.Handler):
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from speedrun.cluster.lifecycle import make_job
-    from speedrun.cluster.ssh import SSHOptions
+    from speedrun.cluster.lifecycle import make_job, save_record
+    from speedrun.cluster.providers import make_provider
+    from speedrun.cluster.ssh import HostSpec, SSHOptions
 
     show_progress()
 
@@ -171,6 +181,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
         raise SpeedrunError("nothing to launch: add `-- ARGS` for torchrun, e.g. -- -m speedrun train --recipe tiny")
     if args.max_restarts < 0:
         raise SpeedrunError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
+    if args.watcher_host is not None and not args.recover:
+        raise SpeedrunError("--watcher-host needs --recover (it says where the recovering watcher runs)")
+    watcher_host = None if args.watcher_host is None else str(HostSpec.parse(args.watcher_host))
     hosts = [h for h in args.hosts.split(",") if h.strip()]
     provider = args.provider or ("ssh" if hosts else "local")
     num_tasks = args.tasks if args.tasks is not None else (len(hosts) or 1)
@@ -185,19 +198,28 @@ def cmd_launch(args: argparse.Namespace) -> int:
         if not args.setup.is_file():
             raise SpeedrunError(f"setup script {args.setup} does not exist")
         setup = args.setup.read_text()
-    ssh = SSHOptions(known_hosts=args.known_hosts, identity_file=args.identity, ssh_config=args.ssh_config,
-                     accept_new_host_keys=args.accept_new_host_keys) if provider == "ssh" else None
+    ssh_options = SSHOptions(known_hosts=args.known_hosts, identity_file=args.identity, ssh_config=args.ssh_config,
+                             accept_new_host_keys=args.accept_new_host_keys)
     options = {k: v for k in AWS_OPTIONS if (v := vars(args)[k]) is not None}
-    job = make_job(args.name, num_tasks, provider=provider, hosts=hosts, run_root=args.run_root,
-                   run_name=args.run_name, setup=setup, sync=args.sync, restart=args.restart, python=args.python,
-                   ssh=ssh, **options)
+    prov = make_provider(provider, args.name, hosts, ssh_options if provider == "ssh" else None, None, options)
+    if watcher_host is not None:
+        prov.relocate("~")  # whether a watcher elsewhere can reach these machines: says so before anything starts
+    job = make_job(args.name, num_tasks, provider=prov, run_root=args.run_root,
+                   run_name=args.run_name, setup=setup, sync=args.sync, restart=args.restart, python=args.python)
     argv = [a.replace("{run_dir}", job.run_dir) for a in argv]
     already = job.reconnected
     commands = job.launch(argv, nproc_per_node=args.nproc_per_node, name=args.window, env=env)
+    save_record(job)  # with the window launched, which ls and logs show by default
     state = "reconnected (it was running; nothing started)" if already else "started"
     print(f"job {job.name}: {len(job)} task(s), run dir {job.run_dir}: {state}")
     print(f"  logs:   speedrun logs {job.name} -f\n  attach: speedrun attach {job.name} [TASK]\n"
           f"  stop:   speedrun kill {job.name}")
+    if watcher_host is not None:
+        from speedrun.cluster.controller import start_watcher
+        watcher = start_watcher(job, watcher_host, ssh_options, max_restarts=args.max_restarts, python=args.python)
+        print(f"job {job.name}: watched from {watcher_host}, not from here (this process may end):\n"
+              f"  watcher: speedrun logs {watcher.name}   (speedrun kill {job.name} stops it too)")
+        return 0
     if args.recover:
         from speedrun.cluster.recovery import watch
         watch(job, args.window, max_restarts=args.max_restarts)
@@ -236,7 +258,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     why = []  # one line per unreachable task, after the table
     for rec in records:
         job = open_job(rec.name, probe=False)
-        for st in job.status(args.window):
+        for st in job.status(args.window or rec.window):
             rows.append((rec.name, str(st.index), st.host, st.state, format_uptime(st.uptime_s), rec.run_dir))
             if st.error:
                 why.append(f"{rec.name} task {st.index}: {st.error}")
@@ -270,29 +292,47 @@ def cmd_attach(args: argparse.Namespace) -> int:
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
+    from speedrun.cluster import registry
     from speedrun.cluster.lifecycle import open_job
 
     job = open_job(args.name)
     if args.task is not None and not 0 <= args.task < len(job):
         raise SpeedrunError(f"job {args.name} has tasks 0..{len(job) - 1}, not {args.task}")
-    job.logs(args.window, follow=args.follow, tasks=None if args.task is None else [args.task])
+    window = args.window or registry.load(args.name).window
+    job.logs(window, follow=args.follow, tasks=None if args.task is None else [args.task])
     return 0
 
 
 def cmd_kill(args: argparse.Namespace) -> int:
+    from speedrun.cluster import registry
+    from speedrun.cluster.controller import stop_watcher
     from speedrun.cluster.lifecycle import open_job
 
     job = open_job(args.name, probe=False)
+    # The watcher first: it would take the killed job for a failed one and start it again.
+    watcher = stop_watcher(registry.load(args.name))
     unreachable = job.kill()
     for line in unreachable:
         print(f"speedrun: {line}", file=sys.stderr)
     killed = len(job) - len(unreachable)
     print(f"killed job {job.name} ({killed} of {len(job)} task(s)); its logs stay in {job.run_dir}")
-    return EXIT_BAD_INPUT if unreachable else 0
+    if watcher:
+        print(f"  {watcher}")
+    return EXIT_BAD_INPUT if unreachable or (watcher and not watcher.startswith("stopped")) else 0
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    from speedrun.cluster.controller import watch_recorded
+
+    show_progress()
+    watch_recorded(args.name)
+    print(f"job {args.name}: every task succeeded; recoveries, if any, are in its run directory's recoveries.jsonl")
+    return 0
 
 
 def cmd_down(args: argparse.Namespace) -> int:
     from speedrun.cluster import registry
+    from speedrun.cluster.controller import stop_watcher
     from speedrun.cluster.lifecycle import open_job
 
     show_progress()
@@ -303,6 +343,9 @@ def cmd_down(args: argparse.Namespace) -> int:
     if not args.name:
         raise SpeedrunError("which job? speedrun down NAME (or --all)")
     job = open_job(args.name, probe=False)
+    watcher = stop_watcher(registry.load(args.name), forget=True)
+    if watcher:
+        print(f"speedrun: {watcher}", file=sys.stderr)
     released = job.provider.down()
     if not released:
         job.kill()  # machines that are not speedrun's stay; the job's sessions on them end

@@ -179,10 +179,16 @@ def start_tasks(tasks: Sequence[Task], job: str, hs: HostSetup, setup_hashes: Se
 def save_record(job: Job, config_dir: str | os.PathLike | None = None) -> None:
     """Record the job (again, after a host was replaced) so that the CLI finds it."""
     hs = job.host_setup
+    try:  # the same run keeps its watcher elsewhere (controller.py), whoever records it again
+        old = registry.load(job.name, config_dir) if registry.exists(job.name, config_dir) else None
+    except SpeedrunError:
+        old = None
     registry.save(registry.JobRecord(
         name=job.name, num_tasks=len(job), provider=job.provider.record(), run_dir=job.run_dir,
         cwd=None if hs is None or hs.sync is None else posixpath.join(hs.host_dir.rstrip("/"), "code", job.name),
-        tmux_socket=job.tasks[0].tmux_socket, python=job.python, created=time.time()), config_dir)
+        tmux_socket=job.tasks[0].tmux_socket, python=job.python, created=time.time(),
+        window=job.launched.name if job.launched else "train",
+        watcher=old.watcher if old is not None and old.run_dir == job.run_dir else None), config_dir)
 
 
 def replace_task(job: Job, index: int, host: Host) -> Task:
@@ -216,7 +222,8 @@ def open_job(name: str, config_dir: str | os.PathLike | None = None, *, probe: b
     """The job `name` as recorded by make_job on this machine, to inspect, follow, attach to or kill.
 
     probe=False skips contacting the hosts (enough for status and kill; run and launch need it)."""
-    rec = registry.load(name, config_dir)
+    from speedrun.cluster.controller import refreshed
+    rec = refreshed(registry.load(name, config_dir), config_dir)  # a watcher elsewhere may have moved tasks
     prov = provider_from_record(rec.provider)
     hosts_ = prov.hosts(rec.num_tasks)
     sessions = [f"{name}-{i}" for i in range(rec.num_tasks)]

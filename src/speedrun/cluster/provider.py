@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from speedrun.cluster.hosts import Host
@@ -64,6 +65,13 @@ class Provider(ABC):
     def run_root(self) -> str | None:
         """Where run directories go by default on storage every host sees (EFS...); None: none."""
         return None
+
+    def relocate(self, home: str) -> tuple[dict[str, Any], dict[str, Path]]:
+        """For a watcher on another machine (controller.py), whose speedrun home is `home` there:
+        the record with that home's paths, and the local files to copy into it (path relative to
+        `home` -> file here). SpeedrunError where another machine cannot reach these hosts."""
+        raise SpeedrunError(f"the {self.kind} provider's machines cannot be watched from another host: "
+                            f"--watcher-host needs --provider ssh or aws")
 
     def replace(self, index: int, count: int) -> Host:
         """A host to take over task `index` (of `count`) from one that was lost (recovery)."""

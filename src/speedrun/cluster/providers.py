@@ -99,6 +99,20 @@ class SSHProvider(Provider):
         self._hosts[index] = self._hosts.pop(count)
         return self._hosts[index]
 
+    def relocate(self, home: str) -> tuple[dict[str, Any], dict[str, Path]]:
+        """The key, pinned host keys and ssh config go to `home` (the watcher reaches the hosts as
+        this machine does, without the agent or ~/.ssh of this machine)."""
+        o = self.options
+        if o.identity_file is None:
+            raise SpeedrunError("a watcher on another host reaches the job's hosts with a key copied there: "
+                                "give it with --identity (SSHOptions(identity_file=...))")
+        files = {"known_hosts": o.known_hosts, "keys/identity": o.identity_file}
+        if o.ssh_config is not None:
+            files["ssh_config"] = o.ssh_config
+        record = {**self.record(), "known_hosts": f"{home}/known_hosts", "identity_file": f"{home}/keys/identity",
+                  "ssh_config": f"{home}/ssh_config" if o.ssh_config is not None else None}
+        return record, files
+
     def record(self) -> dict[str, Any]:
         o = self.options
         return {

@@ -1,7 +1,8 @@
 """Keeping a job going when it loses machines: notice, replace what was lost, resume.
 
 `watch(job)` (`speedrun launch --recover`) runs where the job was made, on your machine: simple,
-but the job is not watched while that machine sleeps. What it did is kept in the run directory
+but the job is not watched while that machine sleeps; with `--watcher-host` it runs on a controller
+host instead (controller.py). What it did is kept in the run directory
 (`recoveries.jsonl`, which the trainer copies into results.json), so the same `speedrun launch
 ... --recover` run again while the job runs reconnects and takes over, counting the recoveries
 already made towards `max_restarts`. Every `every_s` seconds it asks

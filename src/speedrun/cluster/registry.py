@@ -3,6 +3,7 @@
     $SPEEDRUN_HOME (default ~/.config/speedrun)/
         known_hosts        host keys learned with --accept-new-host-keys
         jobs/<job>.json    how to find a job's hosts and run directory again (JobRecord)
+        watch/<job>.json   on a controller host only: what its watcher repeats (controller.py)
         keys/aws-<region>  the private key of speedrun's EC2 key pair in that region (mode 0600)
 
 The records let `speedrun ls | logs | attach | kill | tb JOB` work from another shell, later.
@@ -44,6 +45,10 @@ class JobRecord:
     tmux_socket: str = "speedrun"
     python: str = "python3"
     created: float = 0.0  # seconds since the epoch
+    window: str = "train"  # the command whose state `ls` shows and whose log `logs` prints by default
+    # Where the job's watcher runs when not here (controller.py): {"job": the watcher's own job,
+    # "home": its speedrun home there, "paths": the provider record's keys that name files here}.
+    watcher: dict[str, Any] | None = None
 
 
 def save(record: JobRecord, config_dir: str | os.PathLike | None = None) -> Path:

@@ -1,0 +1,154 @@
+"""The watcher on a controller host: `speedrun launch ... --recover --watcher-host USER@HOST`.
+
+recovery.watch runs where it is started. By default that is the `speedrun launch --recover`
+process on your machine; with --watcher-host it runs on a small long-lived machine instead, so
+that the job is still watched while your machine sleeps. `start_watcher` makes that machine a
+job of its own, `<job>-watcher` (one task, the ssh provider, recorded here like any job), and
+puts under ~/.speedrun/watchers/<job>/ there:
+
+    src/speedrun/   speedrun's code as this machine runs it (the controller needs Python and the
+                    packages speedrun.cluster imports, boto3 for aws; not PyTorch)
+    code/           the job's synced working tree, for the replacement hosts (with sync= only)
+    home/           its speedrun home ($SPEEDRUN_HOME there): the job's record, whose paths point
+                    at the key and pinned host keys copied beside it, and watch/<job>.json, what
+                    the watcher repeats on a replacement (the launch, env= values included, and
+                    the setup script). Files mode 0600, directories 0700.
+
+and runs `python3 -m speedrun watch <job>` there in a window named `watch`, so `speedrun ls` and
+`speedrun logs <job>-watcher` show it. No AWS credentials travel: the controller uses its own
+(an instance role, or its ~/.aws). The watcher's state is the run directory's, as everywhere:
+started again, it counts the recoveries already made.
+
+When the watcher replaces a host, the record it changes is the controller's; `open_job` here
+takes the provider's part of it from there (`refreshed`), so `speedrun ls | logs | kill` find the
+job where it now runs. `speedrun kill` and `speedrun down` stop the watcher first.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shlex
+import shutil
+import tempfile
+from pathlib import Path
+
+import speedrun
+from speedrun.cluster import registry
+from speedrun.cluster.job import REACH_TIMEOUT_S, HostSetup, Job, Launch, TaskStatus
+from speedrun.cluster.providers import provider_from_record
+from speedrun.cluster.recovery import watch
+from speedrun.cluster.ssh import SSHOptions
+from speedrun.errors import SpeedrunError
+
+log = logging.getLogger("speedrun.cluster")
+WINDOW = "watch"  # the watcher's window on the controller
+WATCHERS = ".speedrun/watchers"  # under the controller's home: one directory per watched job
+
+
+def watcher_name(job: str) -> str:
+    """The name of the job that runs `job`'s watcher on its controller."""
+    return f"{job}-watcher"
+
+
+def start_watcher(job: Job, host: str, ssh: SSHOptions | None, *, max_restarts: int, python: str = "python3") -> Job:
+    """Start `job`'s watcher on `host` (user@host[:port], reached with `ssh`), as the module says;
+    leaves one that runs there already alone. `job` must have been made and launched by this
+    process (its host setup and launch are what the watcher repeats). Returns the watcher's job."""
+    from speedrun.cluster.lifecycle import make_job
+    if job.launched is None or job.host_setup is None:
+        raise SpeedrunError(f"job {job.name}: only the process that made and launched it can start its watcher")
+    watcher = make_job(watcher_name(job.name), 1, provider="ssh", hosts=[host], ssh=ssh,
+                       run_root=f"{WATCHERS}/runs", python=python)
+    task = watcher[0]
+    running = task.command(WINDOW)
+    if running is not None and running.state() == "running":
+        log.info("job %s: its watcher already runs on %s; left as it is", job.name, task.host.name)
+    else:
+        base = f"{task.home}/{WATCHERS}/{job.name}"
+        home = f"{base}/home"
+        record, files = job.provider.relocate(home)
+        original = job.provider.record()
+        with tempfile.TemporaryDirectory() as d:  # mkdtemp's mode is 0700: the key is private here too
+            staged = Path(d) / "home"
+            for relative, local in files.items():
+                (staged / relative).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(local, staged / relative)
+            registry.save(dataclasses.replace(registry.load(job.name), provider=record, watcher=None), staged)
+            spec = {"launch": dataclasses.asdict(job.launched), "max_restarts": max_restarts,
+                    "host_setup": {**dataclasses.asdict(job.host_setup), "sync": job.host_setup.sync is not None}}
+            (staged / "watch").mkdir()
+            (staged / "watch" / f"{job.name}.json").write_text(json.dumps(spec, indent=2))
+            for p in [staged, *staged.rglob("*")]:
+                p.chmod(0o700 if p.is_dir() else 0o600)  # rsync and tar keep the modes there
+            task.host.put(staged, home, mirror=True)
+        task.host.put(Path(speedrun.__file__).parent, f"{base}/src/speedrun", exclude=("__pycache__",), mirror=True)
+        hs = job.host_setup
+        if hs.sync is not None:
+            task.host.put(hs.sync, f"{base}/code", exclude=hs.sync_exclude, mirror=True)
+        task.run(f"{python} -m speedrun watch {shlex.quote(job.name)}", background=True, name=WINDOW, cwd=base,
+                 env={"SPEEDRUN_HOME": home, "PYTHONPATH": f"{base}/src"})
+        log.info("job %s: its watcher runs on %s (speedrun logs %s)", job.name, task.host.name, watcher.name)
+        job_record = registry.load(job.name)
+        paths = sorted(k for k in record if record[k] != original.get(k))
+        registry.save(dataclasses.replace(job_record, watcher={"job": watcher.name, "home": home, "paths": paths}))
+    registry.save(dataclasses.replace(registry.load(watcher.name), window=WINDOW))
+    return watcher
+
+
+def watch_recorded(name: str) -> list[TaskStatus]:
+    """`speedrun watch NAME` on the controller: the job as recorded in this speedrun home, with the
+    launch and host setup of watch/NAME.json, watched until every task succeeded (recovery.watch)."""
+    from speedrun.cluster.lifecycle import open_job
+    path = registry.speedrun_home() / "watch" / f"{name}.json"
+    if not path.is_file():
+        raise SpeedrunError(f"nothing says how to watch job {name!r} here ({path} is missing): `speedrun watch` "
+                            f"runs on a controller that `speedrun launch ... --recover --watcher-host` prepared")
+    spec = json.loads(path.read_text())
+    job = open_job(name)
+    job.launched = Launch(**spec["launch"])
+    hs = spec["host_setup"]
+    code = path.parents[2] / "code"  # <base>/home/watch/<job>.json -> <base>/code
+    job.host_setup = HostSetup(hs["tmux_socket"], hs["host_dir"], code if hs["sync"] else None,
+                               tuple(hs["sync_exclude"]), hs["setup"])
+    return watch(job, job.launched.name, max_restarts=spec["max_restarts"])
+
+
+def refreshed(rec: registry.JobRecord, config_dir: str | os.PathLike | None = None) -> registry.JobRecord:
+    """A job's record with the provider's state as its controller keeps it (a watcher there may have
+    replaced hosts) and this machine's paths; saved here when it changed. The record as it is when
+    the job has no watcher elsewhere or the controller does not answer within seconds."""
+    w = rec.watcher
+    if not w:
+        return rec
+    try:
+        host = provider_from_record(registry.load(w["job"], config_dir).provider).hosts(1)[0]
+        remote_path = f"{w['home']}/jobs/{rec.name}.json"
+        r = host.shell(f"cat {shlex.quote(remote_path)}", timeout=REACH_TIMEOUT_S)
+        remote = json.loads(r.text)["provider"]
+    except (SpeedrunError, ValueError, KeyError) as e:
+        log.debug("job %s: its controller's record is out of reach (%s); using this one", rec.name, e)
+        return rec
+    provider = {**remote, **{k: rec.provider[k] for k in w["paths"]}}
+    if provider != rec.provider:
+        rec = dataclasses.replace(rec, provider=provider)
+        registry.save(rec, config_dir)
+    return rec
+
+
+def stop_watcher(rec: registry.JobRecord, config_dir: str | os.PathLike | None = None, *,
+                 forget: bool = False) -> str | None:
+    """Kill the job's watcher on its controller (and with `forget`, its record); a line saying what
+    happened, None when the job has no watcher elsewhere."""
+    from speedrun.cluster.lifecycle import open_job
+    if not rec.watcher or not registry.exists(rec.watcher["job"], config_dir):
+        return None
+    watcher = open_job(rec.watcher["job"], config_dir, probe=False)
+    where = watcher[0].host.name
+    unreachable = watcher.kill()
+    if forget:
+        registry.forget(watcher.name, config_dir)
+    if unreachable:
+        return f"its watcher on {where} could not be stopped: {unreachable[0]}"
+    return f"stopped its watcher on {where}"
