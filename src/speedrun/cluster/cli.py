@@ -19,6 +19,7 @@ import argparse
 import logging
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -110,6 +111,8 @@ def add_launch_options(p: argparse.ArgumentParser) -> None:
                    help="watch the job until it ends (as --wait) and keep it going: replace lost hosts (ssh: the "
                         "spare hosts listed beyond the tasks; aws: new instances) and resume from the checkpoint")
     p.add_argument("--max-restarts", type=int, default=3, help="with --recover: at most this many recoveries (default 3)")
+    p.add_argument("--join-timeout", type=float, metavar="SECONDS",
+                   help="how long each torchrun waits for all tasks to join before failing (default 120)")
     p.add_argument("--watcher-host", metavar="USER@HOST[:PORT]",
                    help="with --recover: run the watcher on this long-lived host (reached with the ssh options "
                         "below) instead of in this process, which then returns; see docs/cluster.md")
@@ -161,6 +164,7 @@ class StderrHandler(logging.Handler):
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
+    from speedrun.cluster.job import JOIN_TIMEOUT_S, check_join_timeout, summary
     from speedrun.cluster.lifecycle import make_job, save_record
     from speedrun.cluster.providers import make_provider
     from speedrun.cluster.ssh import HostSpec, SSHOptions
@@ -181,6 +185,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
         raise SpeedrunError("nothing to launch: add `-- ARGS` for torchrun, e.g. -- -m speedrun train --recipe tiny")
     if args.max_restarts < 0:
         raise SpeedrunError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
+    join_timeout_s = JOIN_TIMEOUT_S if args.join_timeout is None else check_join_timeout(args.join_timeout,
+                                                                                         "--join-timeout")
     if args.watcher_host is not None and not args.recover:
         raise SpeedrunError("--watcher-host needs --recover (it says where the recovering watcher runs)")
     watcher_host = None if args.watcher_host is None else str(HostSpec.parse(args.watcher_host))
@@ -208,7 +214,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
                    run_name=args.run_name, setup=setup, sync=args.sync, restart=args.restart, python=args.python)
     argv = [a.replace("{run_dir}", job.run_dir) for a in argv]
     already = job.reconnected
-    commands = job.launch(argv, nproc_per_node=args.nproc_per_node, name=args.window, env=env)
+    job.launch(argv, nproc_per_node=args.nproc_per_node, name=args.window, env=env, join_timeout_s=join_timeout_s)
     save_record(job)  # with the window launched, which ls and logs show by default
     state = "reconnected (it was running; nothing started)" if already else "started"
     print(f"job {job.name}: {len(job)} task(s), run dir {job.run_dir}: {state}")
@@ -227,13 +233,34 @@ def cmd_launch(args: argparse.Namespace) -> int:
         return 0
     if not (args.follow or args.wait):
         return 0
-    if args.follow:
-        job.logs(args.window, follow=True)
-    results = [c.wait(check=False) for c in commands]
+    results = wait_for_job(job, args.window, args.follow)
     failed = [(t.index, r) for t, r in zip(job.tasks, results) if not r.ok]
+    if failed:
+        print(f"speedrun: job {job.name}: {summary(job.status(args.window))}", file=sys.stderr)
     for i, r in failed:
         print(f"speedrun: task {i} failed with exit status {r.status} (log: {r.log})", file=sys.stderr)
     return EXIT_FAILED if failed else 0
+
+
+def wait_for_job(job, window: str, follow: bool) -> list:
+    """job.wait (which stops the other tasks once one fails) without raising; with follow, the logs
+    are printed meanwhile, until every task's command has ended."""
+    if not follow:
+        return job.wait(window, check=False)
+    outcome: dict = {}
+
+    def waiter() -> None:
+        try:
+            outcome["results"] = job.wait(window, check=False)
+        except BaseException as e:  # noqa: BLE001 - raised below, in the command's thread
+            outcome["error"] = e
+    thread = threading.Thread(target=waiter, daemon=True)
+    thread.start()
+    job.logs(window, follow=True)
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["results"]
 
 
 def format_uptime(seconds: float | None) -> str:
@@ -247,6 +274,7 @@ def format_uptime(seconds: float | None) -> str:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     from speedrun.cluster import registry
+    from speedrun.cluster.job import summary
     from speedrun.cluster.lifecycle import open_job
 
     records = [registry.load(args.name)] if args.name else registry.load_all()
@@ -255,13 +283,16 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return 0
     rows = [("JOB", "TASK", "HOST", "STATE", "UPTIME", "RUN DIR")]
     money = [("JOB", "MACHINES", "MARKET", "RUNNING", "UPTIME", "PRICE", "COST SO FAR", "PRICES FROM")]
-    why = []  # one line per unreachable task, after the table
+    why = []  # after the table: per job, why it is not simply running or done; per unreachable task, why
     for rec in records:
         job = open_job(rec.name, probe=False)
-        for st in job.status(args.window or rec.window):
+        states = job.status(args.window or rec.window)
+        for st in states:
             rows.append((rec.name, str(st.index), st.host, st.state, format_uptime(st.uptime_s), rec.run_dir))
-            if st.error:
-                why.append(f"{rec.name} task {st.index}: {st.error}")
+        line = summary(states)
+        if line:
+            why.append(f"{rec.name}: {line}")
+        why += [f"{rec.name} task {st.index}: {st.error}" for st in states if st.error]
         b = job.provider.billing()
         if b is not None:
             money.append((rec.name, b.instance_type, b.market, str(b.count), format_uptime(b.uptime_s),

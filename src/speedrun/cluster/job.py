@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import math
 import os
+import re
 import shlex
 import sys
 import threading
@@ -22,7 +24,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence, TextIO, TypeVar
 from speedrun.cluster import tmux
 from speedrun.cluster.provider import Provider
 from speedrun.cluster.tensorboard import TensorBoard, start_tensorboard
-from speedrun.cluster.task import Command, CommandFailed, Result, Task, check_name, tmux_message
+from speedrun.cluster.task import Command, CommandFailed, CommandLost, Result, Task, check_name, tmux_message
 from speedrun.errors import SpeedrunError
 
 log = logging.getLogger("speedrun.cluster")
@@ -34,6 +36,11 @@ DEFAULT_SYNC_EXCLUDE = (".git", "data", "runs", "__pycache__", "*.egg-info", ".v
 # How long whole-job commands (ls, kill, logs) wait for one host before they report it unreachable
 # and go on with the others, seconds.
 REACH_TIMEOUT_S = 5.0
+
+# How long each task's torchrun waits for all of them to join its rendezvous, seconds. torchrun's
+# own default, 900 s, keeps a job whose other host never started "running" for a quarter of an
+# hour; launch starts every task within seconds of the others, so two minutes is ample.
+JOIN_TIMEOUT_S = 120.0
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -87,6 +94,7 @@ class Launch:
     nproc_per_node: int
     name: str
     env: dict[str, str]
+    join_timeout_s: float = JOIN_TIMEOUT_S
 
 
 @dataclass
@@ -99,6 +107,75 @@ class TaskStatus:
     uptime_s: float | None  # age of the task's tmux session, seconds
     log: str | None
     error: str | None = None  # why it is unreachable
+    why: str | None = None  # why it ended, if not in success: speedrun's reason for stopping it, or its log's
+    ended: float | None = None  # when its command ended, seconds since the epoch
+
+
+STOPPED_BY = "stopped by speedrun"  # how a command that the job layer stopped is said to have ended
+
+# In a failed command's log, the lines that say why, best first: speedrun's own one line; Python's
+# (`python3: No module named x`); an error with its message (torchrun's ChildFailedError has none);
+# torchrun's note of a worker ended by a signal.
+REASON_PATTERNS = (re.compile(r"^speedrun: \S"), re.compile(r"^\S*python[\d.]*: \S"),
+                   re.compile(r"\b\w*(Error|Exception)\b: \S"), re.compile(r"\bSignal \d+ \(SIG\w+\) received"))
+REASON_CHARS = 200  # a reason longer than this is cut
+
+
+def check_join_timeout(seconds: float, what: str) -> float:
+    """A join timeout as given (`what`: how the user gave it), or SpeedrunError if it is not a
+    number of seconds above 0."""
+    if not 0 < seconds < math.inf:
+        raise SpeedrunError(f"{what} must be a number of seconds above 0, got {seconds:g}")
+    return seconds
+
+
+def telling_line(lines: Sequence[str]) -> str | None:
+    """The line of a failed command's last log lines that says why it failed (see REASON_PATTERNS),
+    else its last line that is not decoration; None for an empty log."""
+    # torchrun's failure table puts its fields as "key : value": the value is what says why.
+    text = [re.sub(r"^traceback\s+:\s+", "", ln.strip()) for ln in lines if ln.strip().strip("=-")]
+    found = next((ln for pattern in REASON_PATTERNS for ln in reversed(text) if pattern.search(ln)),
+                 text[-1] if text else None)
+    if found is None or len(found) <= REASON_CHARS:
+        return found
+    return found[:REASON_CHARS - 3] + "..."
+
+
+def ended_badly(future: concurrent.futures.Future) -> str | None:
+    """How a finished Command.wait shows its command ended, if not in success: "failed (exit N)",
+    "was killed", "ended without an exit status"; None for success or an error of ours (an
+    unreachable host is not a failed command)."""
+    e = future.exception()
+    if isinstance(e, CommandLost):
+        return "ended without an exit status"
+    if e is not None or future.result().ok:
+        return None
+    status = future.result().status
+    return "was killed" if status == 137 else f"failed (exit {status})"
+
+
+def summary(states: Sequence[TaskStatus]) -> str | None:
+    """One line on why a job is not simply running or done: each task whose command ended otherwise
+    than in success, the first to end first and those speedrun stopped because of it last, with its
+    reason, then the unreachable and those still running beside them (e.g. "task 1 failed (exit 1):
+    RuntimeError: ...; task 0 stopped by speedrun"); None when every task runs, succeeded or has
+    nothing launched."""
+    def order(s: TaskStatus) -> tuple:
+        return bool(s.why and s.why.startswith(STOPPED_BY)), s.ended is None, s.ended or 0.0, s.index
+    ended = sorted((s for s in states if s.state not in ("running", "succeeded", "idle", "stopped", "unreachable")),
+                   key=order)
+    if not ended:
+        return None
+    parts = []
+    for s in ended:
+        if s.why and s.why.startswith(STOPPED_BY):  # the task that caused it is named already
+            parts.append(f"task {s.index} {STOPPED_BY}")
+            continue
+        state = re.sub(r"^failed \((\d+)\)$", r"failed (exit \1)", s.state)
+        parts.append(f"task {s.index} {state}" + (f": {s.why}" if s.why else ""))
+    parts += [f"task {s.index} unreachable" for s in states if s.state == "unreachable"]
+    parts += [f"task {s.index} still running" for s in states if s.state == "running"]
+    return "; ".join(parts)
 
 
 class Job:
@@ -147,9 +224,12 @@ class Job:
 
     # --- distributed training ---
     def launch(self, command: str | Sequence[str], *, nproc_per_node: int = 1, name: str = "train",
-               env: Mapping[str, str] | None = None, restart: bool = False) -> list[Command]:
+               env: Mapping[str, str] | None = None, restart: bool = False,
+               join_timeout_s: float = JOIN_TIMEOUT_S) -> list[Command]:
         """Start one torchrun per task: `torchrun --nnodes N --node-rank i --nproc-per-node P
-        --master-addr <task 0> --master-port <free port there> COMMAND`, in a window named `name`.
+        --master-addr <task 0> --master-port <free port there> --rdzv-conf=timeout=T COMMAND`, in a
+        window named `name`. T, join_timeout_s (seconds, rounded up), bounds how long each torchrun
+        waits for all of them to join: one that never comes makes the others fail then.
 
         COMMAND is what follows torchrun's options: `train.py --lr 0.1` or `-m speedrun train ...`
         (shell text; a list is quoted for you). The environment also gets SPEEDRUN_JOB,
@@ -163,9 +243,10 @@ class Job:
         check_name(name)
         if nproc_per_node < 1:
             raise SpeedrunError(f"nproc_per_node must be at least 1, got {nproc_per_node}")
+        check_join_timeout(join_timeout_s, "join_timeout_s")
         text = command if isinstance(command, str) else shlex.join(command)
         # Also when reconnecting: a watcher started again with the same command takes over.
-        self.launched = Launch(text, nproc_per_node, name, dict(env or {}))
+        self.launched = Launch(text, nproc_per_node, name, dict(env or {}), join_timeout_s)
         existing = parallel(lambda t: t.command(name), self.tasks)
         states = parallel(lambda c: c.state() if c else None, existing)
         running = [i for i, s in enumerate(states) if s == "running"]
@@ -187,7 +268,8 @@ class Job:
 
         def start(t: Task) -> Command:
             torchrun = (f"{self.python} -m torch.distributed.run --nnodes={n} --node-rank={t.index} "
-                        f"--nproc-per-node={nproc_per_node} --master-addr={master} --master-port={port} {text}")
+                        f"--nproc-per-node={nproc_per_node} --master-addr={master} --master-port={port} "
+                        f"--rdzv-conf=timeout={math.ceil(join_timeout_s)} {text}")
             variables = {"SPEEDRUN_JOB": self.name, "SPEEDRUN_RUN_DIR": self.run_dir, "SPEEDRUN_TASK": str(t.index),
                          "SPEEDRUN_NUM_TASKS": str(n), **self.provider.environment()}
             if n > 1:
@@ -219,15 +301,52 @@ class Job:
         return found  # type: ignore[return-value]
 
     def wait(self, name: str = "train", *, timeout: float | None = None, check: bool = True) -> list[Result]:
-        """Wait for the `name` command on every task (timeout in seconds); their Results. With check,
-        raise CommandFailed for the first task whose command failed."""
-        results = parallel(lambda c: c.wait(timeout=timeout, check=False), self.commands(name))
+        """Wait for the `name` command on every task (timeout in seconds); their Results.
+
+        The tasks are one run: once a task's command has ended in failure (or without an exit
+        status), the commands still running on the others are stopped, each noting why for
+        `status`, rather than left waiting on a peer that is gone (a collective with a dead rank can
+        wait for the whole process-group timeout). With check, raise CommandFailed for the task
+        whose command failed first."""
+        commands = self.commands(name)
+        first_failed: int | None = None
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(32, len(commands))) as pool:
+            futures = {pool.submit(c.wait, timeout=timeout, check=False): i for i, c in enumerate(commands)}
+            pending = set(futures)
+            while pending:
+                done, pending = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+                failed = [(futures[f], how) for f in done if (how := ended_badly(f))]
+                if failed and first_failed is None:
+                    first_failed, how = failed[0]
+                    self.stop_commands([commands[futures[f]] for f in pending], f"task {first_failed} {how}")
+        outcomes = sorted(futures.items(), key=lambda item: item[1])
+        errors = [f.exception() for f, _ in outcomes if f.exception() is not None]
+        if errors:
+            raise errors[0]
+        results = [f.result() for f, _ in outcomes]
         if check:
-            for t, r in zip(self.tasks, results):
-                if not r.ok:
+            order = [first_failed] if first_failed is not None else []
+            for i in order + list(range(len(results))):
+                if not results[i].ok:
+                    t = self.tasks[i]
                     raise CommandFailed(f"{name!r} on task {t.name} ({t.host.name})",
-                                        "killed" if r.status == 137 else r.status, r.log, r.output)
+                                        "killed" if results[i].status == 137 else results[i].status,
+                                        results[i].log, results[i].output)
         return results
+
+    def stop_commands(self, commands: Sequence[Command], why: str) -> None:
+        """Stop these commands because `why` (e.g. "task 1 failed (exit 1)"), which their
+        status reports as "stopped by speedrun: <why>"; one that cannot be reached is logged."""
+        if not commands:
+            return
+        log.info("job %s: %s; stopping task(s) %s", self.name, why, ", ".join(str(c.task.index) for c in commands))
+
+        def one(c: Command) -> None:
+            try:
+                c.kill(reason=f"{STOPPED_BY}: {why}")
+            except SpeedrunError as e:  # its own wait reports it
+                log.info("job %s: could not stop task %d: %s", self.name, c.task.index, e)
+        parallel(one, list(commands))
 
     def status(self, name: str = "train") -> list[TaskStatus]:
         """Each task's state: that of its newest `name` command, else whether its session is up."""
@@ -245,7 +364,9 @@ class Job:
                 state = "succeeded" if s == "0" else f"failed ({s})"
             else:
                 state = s
-            return TaskStatus(t.index, t.host.name, state, uptime, f"{f['dir']}/log" if "dir" in f else None)
+            why = f.get("stopped") or (telling_line(f["logline"].splitlines()) if "logline" in f else None)
+            return TaskStatus(t.index, t.host.name, state, uptime, f"{f['dir']}/log" if "dir" in f else None,
+                              why=why, ended=float(f["ended"]) if re.fullmatch(r"[\d.]+", f.get("ended", "")) else None)
         return parallel(one, self.tasks)
 
     def kill(self) -> list[str]:

@@ -103,7 +103,8 @@ def recover(job: Job, name: str, lost: list[int], why: str, resume_flag: str) ->
     command = launch.command
     if resumed and resume_flag and resume_flag not in shlex.split(command):
         command = f"{command} {resume_flag}"
-    job.launch(command, nproc_per_node=launch.nproc_per_node, name=name, env=launch.env, restart=True)
+    job.launch(command, nproc_per_node=launch.nproc_per_node, name=name, env=launch.env, restart=True,
+               join_timeout_s=launch.join_timeout_s)
     billing = job.provider.billing()
     event = Recovery(start, why, replaced, resumed, time.time() - start,
                      billing.price_per_hour if billing is not None else None)

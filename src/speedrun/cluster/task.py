@@ -54,6 +54,10 @@ class CommandFailed(SpeedrunError):
         super().__init__(f"{what} {how} (log: {log})" + (f": {tail}" if tail else ""))
 
 
+class CommandLost(SpeedrunError):
+    """A command ended without an exit status: its host restarted, or it was killed hard."""
+
+
 def status_code(status: str) -> int:
     """The exit status from a status file's text; a command killed by a signal counts as 137."""
     return int(status) if status.lstrip("-").isdigit() else 137
@@ -252,8 +256,8 @@ class Command:
         if it failed and `check` is set."""
         state = tmux.parse_fields(self.task._shell(tmux.wait_command(self.dir), timeout=timeout))["status"]
         if state == "lost":
-            raise SpeedrunError(f"command {self.name!r} on task {self.task.name} ended without an exit status "
-                                f"(killed hard, or its host restarted); log: {self.log_path}")
+            raise CommandLost(f"command {self.name!r} on task {self.task.name} ended without an exit status "
+                              f"(killed hard, or its host restarted); log: {self.log_path}")
         output = self.output()
         if check and state != "0":
             raise CommandFailed(f"command {self.name!r} on task {self.task.name} ({self.task.host.name})", state,
@@ -265,9 +269,10 @@ class Command:
         r = self.task.host.shell(f"cat -- {shlex.quote(self.log_path)} 2>/dev/null; true")
         return r.text
 
-    def kill(self) -> None:
-        """Stop the command (SIGHUP to its window's processes); a no-op once it has ended."""
-        self.task._shell(tmux.stop_command(self.dir))
+    def kill(self, reason: str | None = None) -> None:
+        """Stop the command (SIGHUP to its window's processes); a no-op once it has ended. `reason`
+        (one line, e.g. "stopped by speedrun: task 1 failed (exit 1)") is what status reports."""
+        self.task._shell(tmux.stop_command(self.dir, reason=reason))
 
 
 def tmux_message(stderr: str) -> str:

@@ -24,6 +24,7 @@ import shlex
 from typing import Mapping
 
 SEQ_DIGITS = 6  # command directories are numbered 000001, 000002, ... so that they sort by age
+LOG_TAIL_LINES = 40  # lines of a failed command's log that task_status reports, to find the reason in
 
 
 def q(value: object) -> str:
@@ -286,16 +287,24 @@ if tm has-session -t ={q(session)} 2>/dev/null; then
     echo session=1
     tm display-message -p -t ={q(session)}: 'created=#{{session_created}}'
 fi
-{latest_body(task_dir, name)}""")
+{latest_body(task_dir, name)}
+[ -s "$d/status" ] || return 0
+# Ended: when (the status file's age), whether speedrun stopped it and why, and for a failure the
+# end of its log, where the reason is.
+echo "ended=$(stat -c %.3Y "$d/status")"
+[ -s "$d/stopped" ] && {{ read -r w < "$d/stopped"; echo "stopped=$w"; }}
+[ "$s" = 0 ] || tail -n {LOG_TAIL_LINES} "$d/log" 2>/dev/null | sed 's/^/logline=/'""")
 
 
-def stop_command(cmd_dir: str, grace_s: float = 10.0) -> str:
+def stop_command(cmd_dir: str, grace_s: float = 10.0, reason: str | None = None) -> str:
     """SIGHUP the command's process group (as closing its window would) and return once all of it has
-    ended; SIGKILL what is left after grace_s seconds."""
+    ended; SIGKILL what is left after grace_s seconds. A reason (one line) goes to `stopped` in the
+    command's directory first, for task_status to report."""
+    note = f"printf '%s\\n' {q(reason)} > \"$d/stopped\"\n" if reason else ""
     return script(f"""d={q(cmd_dir)}
 {{ read -r p < "$d/pid"; }} 2>/dev/null || return 0
 cmd_running "$d" || group_alive "$p" || return 0
-# tmux makes each pane's first process a process-group leader: signal the whole group.
+{note}# tmux makes each pane's first process a process-group leader: signal the whole group.
 kill -HUP -- "-$p" 2>/dev/null || kill -HUP "$p" 2>/dev/null
 for _ in $(seq {int(grace_s / 0.05)}); do group_alive "$p" || return 0; sleep 0.05; done
 kill -KILL -- "-$p" 2>/dev/null; return 0""")

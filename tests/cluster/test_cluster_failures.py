@@ -1,0 +1,128 @@
+"""A job whose task fails ends as a whole, within a bounded time, and says why: on two
+network-namespace hosts, with real torchrun, `speedrun train` and tmux.
+
+- A rank dies where its peer cannot notice (its host's route to task 0 is cut first, as when a
+  rank dies under NCCL or behind a partition): the survivor's collective alone would wait for the
+  trainer's process-group timeout (300 s); whoever waits on the job stops it at once.
+- A host's torchrun never starts (torch is broken there): the rendezvous never completes, and
+  torchrun's own join timeout (900 s) would keep task 0 "running"; launch's bounded one ends it,
+  and `speedrun launch --wait` stops it at once.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import site
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from cli_run import wait_for
+from netns import NetnsHost
+from speedrun.cli import main
+from test_cluster_e2e import ONE_THREAD, TRAIN, speedrun
+
+pytestmark = [pytest.mark.netns, pytest.mark.slow]
+EPOCHS = 8  # the tiny recipe, longer: the rank dies well before the end
+
+
+def training_pids(host: NetnsHost) -> list[int]:
+    """The training processes (torchrun's workers, not torchrun) running on a namespace host."""
+    out = subprocess.run(["ip", "netns", "pids", host.namespace], capture_output=True, text=True).stdout
+    found = []
+    for pid in out.split():
+        with contextlib.suppress(OSError):  # it may have ended since
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if b"speedrun" in argv and b"train" in argv and b"torch.distributed.run" not in argv:
+                found.append(int(pid))
+    return found
+
+
+@contextlib.contextmanager
+def cut_off(host: NetnsHost, peer: NetnsHost):
+    """Packets from `host` to `peer` are dropped while inside (ssh from here still reaches both)."""
+    route = ["ip", "-n", host.namespace, "route", "add", "blackhole", f"{peer.address}/32"]
+    subprocess.run(route, check=True)
+    try:
+        yield
+    finally:
+        subprocess.run([*route[:4], "del", *route[5:]], check=False)
+
+
+@contextlib.contextmanager
+def broken_torch(host: NetnsHost):
+    """`import torch` fails on the host (a package of that name in its user site, which its HOME
+    holds), so its torchrun exits before it joins; removed afterwards."""
+    package = host.home / Path(site.getusersitepackages()).relative_to(Path.home()) / "torch"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("raise ImportError('torch is broken on this host')\n")
+    try:
+        yield
+    finally:
+        shutil.rmtree(package)
+
+
+def ended(job) -> list | None:
+    """The job's task states once none is running, else None."""
+    states = job.status()
+    return None if any(s.state == "running" for s in states) else states
+
+
+def ls_reason(job_name: str, capsys) -> str:
+    """The line `speedrun ls JOB` prints under its table to say why the job is not simply running."""
+    assert main(["ls", job_name]) == 0
+    lines = [ln.strip() for ln in capsys.readouterr().out.splitlines() if ln.startswith(f"  {job_name}: ")]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def test_a_rank_that_dies_unnoticed_stops_the_whole_job_and_ls_says_why(netns, ssh_job, job_name, capsys):
+    job = ssh_job()
+    job.launch([*TRAIN, "--epochs", str(EPOCHS), "--out", job.run_dir], env=ONE_THREAD)
+    wait_for(lambda: Path(job.run_dir, "steps.jsonl").exists(), 300, "the first training steps")
+    (rank1,) = wait_for(lambda: training_pids(netns.hosts[1]), 60, "task 1's training process")
+    with cut_off(netns.hosts[1], netns.hosts[0]):
+        os.kill(rank1, signal.SIGKILL)
+        # Well within the survivor's 300 s collective timeout: the job layer must stop it.
+        results = job.wait(timeout=120, check=False)
+    assert [r.status for r in results] == [137, 1]  # task 0 stopped, task 1's torchrun failed
+    states = job.status()
+    assert [s.state for s in states] == ["killed", "failed (1)"]
+    assert states[0].why == "stopped by speedrun: task 1 failed (exit 1)"
+    reason = ls_reason(job_name, capsys)
+    assert reason.startswith(f"{job_name}: task 1 failed (exit 1): ") and "Signal 9 (SIGKILL)" in reason
+    assert reason.endswith("; task 0 stopped by speedrun")
+
+
+def test_a_rendezvous_that_never_completes_ends_after_the_join_timeout(netns, ssh_job, job_name, capsys):
+    job = ssh_job()
+    with broken_torch(netns.hosts[1]):
+        job.launch([*TRAIN, "--out", job.run_dir], env=ONE_THREAD, join_timeout_s=20)
+        # Nobody waits on the job here: torchrun itself gives up, long before its own 900 s.
+        states = wait_for(lambda: ended(job), 300, "both tasks to end")
+    assert [s.state for s in states] == ["failed (1)", "failed (1)"]
+    reason = ls_reason(job_name, capsys)
+    first, second = reason.split("; ")  # task 1 failed first, then task 0 gave up waiting for it
+    assert first.startswith(f"{job_name}: task 1 failed (exit 1): ") and "torch is broken on this host" in first
+    assert second.startswith("task 0 failed (exit 1): ") and "1/2 clients joined" in second
+
+
+def test_launch_wait_stops_the_others_when_a_task_fails(netns, shared_dir, job_name):
+    ssh = ["--hosts", ",".join(netns.specs), "--identity", str(netns.client_key),
+           "--known-hosts", str(netns.known_hosts), "--run-root", str(shared_dir / "failing-runs")]
+    with broken_torch(netns.hosts[1]):
+        # A join timeout longer than the wait: only --wait's rule can end task 0 in time.
+        r = speedrun("launch", job_name, *ssh, "--join-timeout", "900", "--wait", "--", *TRAIN, "--out", "{run_dir}",
+                     timeout=300)
+    assert r.returncode == 3, r.stderr
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith(f"speedrun: job {job_name}: ") and "stopped by" in ln]
+    assert "task 1 failed (exit 1): " in line and "torch is broken on this host" in line
+    assert line.endswith("; task 0 stopped by speedrun")
+
+
+def test_a_bad_join_timeout_is_one_line(capsys):
+    assert main(["launch", "bad-join", "--join-timeout", "0", "--", "x.py"]) == 2
+    assert capsys.readouterr().err.strip() == "speedrun: error: --join-timeout must be a number of seconds above 0, got 0"
