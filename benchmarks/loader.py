@@ -272,17 +272,14 @@ def main() -> None:
             print(f"{size:4d} px  full size: speedrun {ours:8,.0f} images/s   torchvision {theirs:8,.0f} images/s   "
                   f"ratio {ours / theirs:.2f}x   ({args.workers} workers, batch {args.batch}, "
                   f"{batches} timed batches)", flush=True)
-            if torch.cuda.is_available():
-                rate = bench_speedrun(tree, size, args.batch, args.workers, warmup, batches, loader="gpu", device="cuda")
-                row["speedrun_gpu_decode_images_per_s"] = round(rate, 1)
-                print(f"{size:4d} px  full size: speedrun --loader gpu (nvJPEG, {args.workers} workers reading) "
-                      f"{rate:8,.0f} images/s   ratio {rate / theirs:.2f}x", flush=True)
-            if dali_installed():
-                rate = bench_speedrun(tree, size, args.batch, args.workers, warmup, batches, loader="dali")
-                row["speedrun_dali_cpu_images_per_s"] = round(rate, 1)
-                row["dali_cpu_ratio"] = round(rate / theirs, 2)
-                print(f"{size:4d} px  full size: speedrun --loader dali (DALI's CPU decoder, {args.workers} threads) "
-                      f"{rate:8,.0f} images/s   ratio {rate / theirs:.2f}x", flush=True)
+            others = [("gpu", "cuda", f"nvJPEG, {args.workers} workers reading")] if torch.cuda.is_available() else []
+            others += [("dali", "cpu", f"DALI's CPU decoder, {args.workers} threads")] if dali_installed() else []
+            for loader, device, what in others:
+                rate = bench_speedrun(tree, size, args.batch, args.workers, warmup, batches, loader=loader, device=device)
+                row[f"speedrun_{loader}_{device}_images_per_s"] = round(rate, 1)
+                row[f"{loader}_{device}_ratio"] = round(rate / theirs, 2)
+                print(f"{size:4d} px  full size: speedrun --loader {loader} ({what}) {rate:8,.0f} images/s   "
+                      f"ratio {rate / theirs:.2f}x", flush=True)
         results["worker_work"] = []
         for size in args.sizes:
             row = bench_worker_work(tree, size, args.batch, max(4, batches // 4))

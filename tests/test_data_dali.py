@@ -17,6 +17,7 @@ from speedrun.data.base import Shard, epoch_permutation, rank_indices
 from speedrun.data.imagefolder import ImageFolderSource, ImageFolderTrainStream
 from speedrun.errors import SpeedrunError
 from speedrun.recipe import Phase, Recipe
+from test_data_helpers import train_from_cli
 
 pytest.importorskip("nvidia.dali", reason="NVIDIA DALI is not installed (pip install 'speedrun[dali]')")
 from speedrun.data.dali import DaliTrainStream  # noqa: E402
@@ -131,19 +132,7 @@ def test_the_loader_choice(tree):
 
 @pytest.mark.slow
 def test_train_with_the_dali_loader_from_the_command_line(tree, tmp_path):
-    import json
-
-    from cli_run import speedrun
-
-    recipe = tmp_path / "r.py"
-    recipe.write_text(
-        "from speedrun.recipe import Phase, Recipe\n"
-        "recipe = Recipe('flat', (Phase(0, 2, size=24, batch_size=8, lr=0.05),), model='resnet-fmnist-tiny',\n"
-        "                dataset='imagefolder', val_batch_size=6)\n")
-    out = tmp_path / "run"
-    proc = speedrun("train", "--recipe", str(recipe), "--data", str(tree), "--loader", "dali", "--workers", "1",
-                    "--out", str(out), "--target", "none", "--device", "cpu")
+    proc, results = train_from_cli(tree, tmp_path, "dali")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "(dali loader)" in proc.stdout
-    results = json.loads((out / "results.json").read_text())
     assert results["status"] == "finished" and results["loader"] == "dali" and results["steps"] == 6

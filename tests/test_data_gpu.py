@@ -4,7 +4,6 @@ give the PIL loader's files, in its order, with its labels, crops and flips."""
 from __future__ import annotations
 
 import io
-import json
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ from speedrun.data.base import Shard
 from speedrun.data.gpu import GpuDecodeTrainStream, gpu_unsupported
 from speedrun.data.imagefolder import ImageFolderSource
 from speedrun.recipe import Phase
-from test_data_helpers import make_tree, write_jpeg
+from test_data_helpers import make_tree, train_from_cli, write_jpeg
 
 CPU = torch.device("cpu")
 SIZES = [(120, 90), (90, 120), (160, 80), (100, 100), (70, 130)]
@@ -121,19 +120,9 @@ def test_odd_files_fall_back_to_the_cpu_and_bad_ones_are_replaced_as_in_the_pil_
 
 @pytest.mark.slow
 def test_train_with_the_gpu_loader_from_the_command_line(tree, tmp_path):
-    from cli_run import speedrun
-
-    recipe = tmp_path / "r.py"
-    recipe.write_text(
-        "from speedrun.recipe import Phase, Recipe\n"
-        "recipe = Recipe('gpu-path', (Phase(0, 2, size=24, batch_size=8, lr=0.05),), model='resnet-fmnist-tiny',\n"
-        "                dataset='imagefolder', val_batch_size=6)\n")
-    out = tmp_path / "run"
-    proc = speedrun("train", "--recipe", str(recipe), "--data", str(tree), "--loader", "gpu", "--workers", "1",
-                    "--out", str(out), "--target", "none", "--device", "cpu")
+    proc, results = train_from_cli(tree, tmp_path, "gpu")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "(gpu loader)" in proc.stdout
-    results = json.loads((out / "results.json").read_text())
     assert results["status"] == "finished" and results["loader"] == "gpu" and results["steps"] == 6
     assert results["cpu_fallbacks"] == 0
 

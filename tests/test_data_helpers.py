@@ -34,3 +34,22 @@ def make_tree(
                 write_jpeg(root / split / f"c{c:02d}" / f"img{i:03d}.JPEG", w, h, seed=k)
                 k += 1
     return root
+
+
+def train_from_cli(tree: Path, tmp_path: Path, loader: str):
+    """`speedrun train --loader LOADER` on the image folder `tree` for 2 epochs (24 px crops, batch
+    8, a tiny ResNet, on the CPU); returns the finished process and results.json (None if absent)."""
+    import json
+
+    from cli_run import speedrun
+
+    recipe = tmp_path / "r.py"
+    recipe.write_text(
+        "from speedrun.recipe import Phase, Recipe\n"
+        f"recipe = Recipe('{loader}-loader', (Phase(0, 2, size=24, batch_size=8, lr=0.05),), model='resnet-fmnist-tiny',\n"
+        "                dataset='imagefolder', val_batch_size=6)\n")
+    out = tmp_path / "run"
+    proc = speedrun("train", "--recipe", str(recipe), "--data", str(tree), "--loader", loader, "--workers", "1",
+                    "--out", str(out), "--target", "none", "--device", "cpu")
+    results = out / "results.json"
+    return proc, json.loads(results.read_text()) if results.exists() else None
