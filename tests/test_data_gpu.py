@@ -4,6 +4,7 @@ give the PIL loader's files, in its order, with its labels, crops and flips."""
 from __future__ import annotations
 
 import io
+import threading
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from speedrun.data.augment import crop_resize_flip, crop_resize_flip_ragged, ran
 from speedrun.data.base import Shard
 from speedrun.data.gpu import GpuDecodeTrainStream, gpu_unsupported
 from speedrun.data.imagefolder import ImageFolderSource
+from speedrun.errors import SpeedrunError
 from speedrun.recipe import Phase
 from test_data_helpers import make_tree, train_from_cli, write_jpeg
 
@@ -67,12 +69,20 @@ def test_the_same_images_crops_flips_and_labels_as_the_pil_loader(tree):
 
 def test_one_batched_crop_equals_cropping_each_image_alone(monkeypatch):
     images = [torch.randint(0, 256, (3, h, w), dtype=torch.uint8) for h, w in ((30, 70), (64, 20), (50, 50), (17, 33))]
-    boxes = torch.tensor([[0.0, 0, 70, 30], [2.5, 3.2, 19.9, 60.1], [-5, -5, 55, 55], [3, 3, 10, 9]])
     flips = torch.tensor([True, False, True, False])
-    together = crop_resize_flip_ragged(images, boxes, flips, 12)
+    # Boxes inside their images (up to the edges): exactly roi_align on each image alone.
+    inside = torch.tensor([[0.0, 0, 70, 30], [2.5, 3.2, 19.9, 60.1], [0.2, 0.3, 49.8, 49.9], [3, 3, 10, 9]])
+    together = crop_resize_flip_ragged(images, inside, flips, 12)
     for i, image in enumerate(images):
-        alone = crop_resize_flip(image[None], boxes[i : i + 1], flips[i : i + 1], 12)[0]
+        alone = crop_resize_flip(image[None], inside[i : i + 1], flips[i : i + 1], 12)[0]
         assert (together[i].int() - alone.int()).abs().max() <= 1  # float rounding only
+    # Boxes reaching past an edge: the image zero-padded there, as the PIL loader pads.
+    past = torch.tensor([[-1.4, -1.4, 60.6, 28.6], [1.3, 2.2, 23.7, 66.9], [-5, -5, 55, 55], [-2.5, 0.5, 30.0, 18.2]])
+    together = crop_resize_flip_ragged(images, past, flips, 12)
+    for i, image in enumerate(images):
+        padded = torch.nn.functional.pad(image, (8, 8, 8, 8))
+        alone = crop_resize_flip(padded[None], past[i : i + 1] + 8, flips[i : i + 1], 12)[0]
+        assert (together[i].int() - alone.int()).abs().max() <= 1
     # Many images, on one canvas and on several (a canvas holds at most MAX_CANVAS_PX): the same crops.
     same = torch.randint(0, 256, (40, 3, 48, 64), dtype=torch.uint8)
     boxes, flips = random_crop_boxes(40, 48, 64, 0.2, torch.Generator().manual_seed(0))
@@ -131,3 +141,28 @@ def test_the_stream_class_and_auto_on_the_cpu(tree):
     source = ImageFolderSource(tree, workers=0, device=CPU, loader="gpu")
     assert isinstance(source.train_stream(PHASE, Shard(), 0), GpuDecodeTrainStream)
     assert ImageFolderSource(tree, workers=0, device=CPU).loader == "pil"  # auto picks the GPU path on CUDA only
+
+
+def test_an_epoch_left_midway_ends_its_decode_thread_and_the_next_epoch_is_whole(tree):
+    source = ImageFolderSource(tree, workers=1, device=CPU, loader="gpu")
+    stream = source.train_stream(PHASE, Shard(), 0)
+    try:
+        stream.set_epoch(0)
+        batches = iter(stream)
+        next(batches)
+        assert "speedrun-gpu-decode" in [t.name for t in threading.enumerate()]
+        batches.close()  # the training loop stopped after one step (its target, a stop request)
+        assert "speedrun-gpu-decode" not in [t.name for t in threading.enumerate()]
+        stream.set_epoch(1)
+        assert len(list(stream)) == len(stream) == 6
+    finally:
+        stream.close()
+
+
+def test_a_tree_of_undecodable_files_is_one_clear_error(tmp_path):
+    root = make_tree(tmp_path / "d", classes=2, train_per_class=4, sizes=[(90, 70)])
+    source = ImageFolderSource(root, workers=1, device=CPU, loader="gpu")
+    for path in (root / "train").rglob("*.JPEG"):  # headers fine, bodies gone: found when decoding
+        path.write_bytes(path.read_bytes()[:300])
+    with pytest.raises(SpeedrunError, match="undecodable images in a row"):
+        _batches(source, 0)

@@ -1,9 +1,10 @@
-"""Batched augmentation for datasets that fit in one tensor (Fashion-MNIST).
+"""Batched augmentation on whatever device the images live (the GPU when training there): for
+datasets that fit in one tensor (Fashion-MNIST) and for the GPU decode path's decoded batches.
 
-RandomResizedCrop + horizontal flip for a whole batch in one `torchvision.ops.roi_align` call,
-on whatever device the images live (the GPU when training there): each image gets its own crop
-box, resampled bilinearly to the phase's size, with averaging over the source pixels of each
-output pixel when shrinking (so a crop is antialiased, like PIL's resize).
+RandomResizedCrop + horizontal flip for a whole batch in one `torchvision.ops.roi_align` call:
+each image gets its own crop box, resampled bilinearly to the phase's size, with averaging over
+the source pixels of each output pixel when shrinking (so a crop is antialiased, like PIL's
+resize). Images of different sizes share one call through a canvas (`crop_resize_flip_ragged`).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 import torchvision.transforms.v2.functional as TF
 from torchvision.ops import roi_align
 
-from speedrun.data.base import Batch, Shard, epoch_generator, epoch_permutation, rank_indices, to_device
+from speedrun.data.base import Batch, Shard, epoch_generator, epoch_permutation, rank_indices, host_to_device
 from speedrun.recipe import IMAGENET_RATIO, Phase
 
 
@@ -65,21 +66,27 @@ def _resample(images: torch.Tensor, rois: torch.Tensor, flips: torch.Tensor, siz
     return out.round_().clamp_(0, 255).to(torch.uint8)
 
 
-# One canvas holds at most this many pixels (more images make more canvases): its float copy
-# and the index maps that build it then stay under about 1 GB.
-MAX_CANVAS_PX = 16 * 2**20
+# The windows of one canvas cover at most this many pixels (more make more canvases; one window
+# larger than this gets a canvas of its own). With shelf packing's waste, a canvas is at most about
+# twice that, and its float copy with the int64 index maps that build it (about ten canvas-sized
+# tensors at once) stays under about 1.5 GB.
+MAX_CANVAS_PX = 8 * 2**20
+EDGE = 1e-6  # px: a box within this of an image's edge is inside it (boxes arrive as scaled fractions)
 
 
 def crop_resize_flip_ragged(images: list[torch.Tensor], boxes: torch.Tensor, flips: torch.Tensor,
                             size: int) -> torch.Tensor:
     """`crop_resize_flip` for images of different sizes: `images` a list of uint8 3 x H x W on one
-    device, `boxes` N x 4 (x1, y1, x2, y2 in each image's pixels, may reach past its edges: zeros
-    there), `flips` N bool; uint8 N x 3 x size x size on the images' device.
+    device, `boxes` N x 4 (x1, y1, x2, y2 in each image's pixels, may reach past its edges),
+    `flips` N bool (any device); uint8 N x 3 x size x size on the images' device.
 
     roi_align needs one input tensor, so each box's window of its image (the pixels under the box
     and one more on each side, which bilinear sampling reads) is copied onto a shared canvas, in
-    shelves, tallest first, with one gather; then one roi_align resamples every box. The result
-    equals `crop_resize_flip` on the separate images.
+    shelves, tallest first, with one gather; then one roi_align resamples every box. For a box
+    inside its image the result equals `crop_resize_flip` on that image alone (the window's rim
+    repeats the image's edge, as roi_align does at a border). Where a box reaches past an edge the
+    image is zero-padded on that side, as the PIL loader pads (`transforms._zero_padded`), which
+    roi_align alone does not quite do (it clamps samples within one pixel of the edge, zeros beyond).
     """
     boxes = boxes.detach().to("cpu", torch.float64)  # the packing is planned on the host
     lo, hi = boxes.floor().to(torch.int64) - 1, boxes.ceil().to(torch.int64) + 1
@@ -120,14 +127,21 @@ def _canvas_crops(images: list[torch.Tensor], boxes: torch.Tensor, windows: list
         row_shelf[top : top + h] = s
     for k, (cx, _, s) in place.items():
         col_window[s, cx : cx + windows[group[k]][2]] = k
-    # Per window: where it is on the canvas and in its image, and its image's place in `flat`.
+    # Per window: where it is on the canvas and in its image, its image's place in `flat`, and the
+    # image pixels it may show (lo..hi, -1 and w/h being the rim: shown where the box stays inside,
+    # zero padding where it reaches past that edge).
     shapes = [images[i].shape for i in group]
     numel = [c * h * w for c, h, w in shapes]
     starts = [0, *itertools.accumulate(numel)][:-1]
-    table = torch.tensor([[place[k][0], place[k][1], windows[i][0], windows[i][1], windows[i][3],
-                           shapes[k][1], shapes[k][2], starts[k]] for k, i in enumerate(group)], dtype=torch.int64)
-    table, row_shelf, col_window = (to_device(t, device) for t in (table, row_shelf, col_window))
-    cx, cy, x0, y0, win_h, img_h, img_w, start = table.unbind(1)
+    rows = []
+    for k, i in enumerate(group):
+        (_, ih, iw), (bx1, by1, bx2, by2) = shapes[k], boxes[i].tolist()
+        rows.append([place[k][0], place[k][1], windows[i][0], windows[i][1], windows[i][3], ih, iw, starts[k],
+                     -1 if bx1 > -EDGE else 0, iw if bx2 < iw + EDGE else iw - 1,
+                     -1 if by1 > -EDGE else 0, ih if by2 < ih + EDGE else ih - 1])
+    table = torch.tensor(rows, dtype=torch.int64)
+    table, row_shelf, col_window = (host_to_device(t, device) for t in (table, row_shelf, col_window))
+    cx, cy, x0, y0, win_h, img_h, img_w, start, lo_x, hi_x, lo_y, hi_y = table.unbind(1)
 
     k = col_window[row_shelf]  # height x width
     used = k >= 0
@@ -136,17 +150,15 @@ def _canvas_crops(images: list[torch.Tensor], boxes: torch.Tensor, windows: list
     iy = y0[k] + rows
     ix = x0[k] + torch.arange(width, device=device)[None, :] - cx[k]
     h, w = img_h[k], img_w[k]
-    # The window's pixels; its one-pixel rim outside the image repeats the edge (roi_align's own
-    # rule at an image's border); farther out (a box reaching past the image) zeros.
-    used &= (rows < win_h[k]) & (iy >= -1) & (iy <= h) & (ix >= -1) & (ix <= w)
+    used &= (rows < win_h[k]) & (iy >= lo_y[k]) & (iy <= hi_y[k]) & (ix >= lo_x[k]) & (ix <= hi_x[k])
     at = start[k] + torch.minimum(iy.clamp(min=0), h - 1) * w + torch.minimum(ix.clamp(min=0), w - 1)
     flat = torch.cat([images[i].reshape(-1) for i in group])
     plane = h * w
     canvas = torch.stack([flat[at + c * plane] for c in range(3)]).float() * used
     shift = torch.stack([cx - x0, cy - y0, cx - x0, cy - y0], dim=1).to(torch.float32)
     rois = torch.cat([torch.zeros(len(group), 1, device=device),
-                      to_device(boxes[group.start : group.stop].float(), device) + shift], dim=1)
-    return _resample(canvas[None], rois, to_device(flips[group.start : group.stop], device), size)
+                      host_to_device(boxes[group.start : group.stop].float(), device) + shift], dim=1)
+    return _resample(canvas[None], rois, host_to_device(flips[group.start : group.stop], device), size)
 
 
 def resize_center_crop(images: torch.Tensor, size: int, resize: int) -> torch.Tensor:

@@ -123,10 +123,10 @@ def rank_indices(order: torch.Tensor, shard: Shard, batch_size: int) -> torch.Te
     return order[shard.rank :: shard.world_size][: steps * batch_size]
 
 
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device` without making the host wait: through page-locked memory on CUDA
-    (a copy from pageable memory waits for the stream's earlier work)."""
-    if device.type != "cuda" or t.device == device:
+def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A tensor on `device` without making the host wait: a host tensor goes through page-locked
+    memory on CUDA (a copy from pageable memory waits for the stream's earlier work)."""
+    if device.type != "cuda" or t.device.type != "cpu":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
 

@@ -7,8 +7,9 @@ the PIL loader draws them (`transforms.crop_params` with the same `random.Random
 and pack the batch's bytes into one buffer. In the training process the batch is decoded in one
 call, `torchvision.io.decode_jpeg(files, device=...)` (nvJPEG on CUDA, libjpeg-turbo on the
 CPU), and every image is cropped, resized and flipped in one batched `roi_align`
-(`augment.crop_resize_flip_ragged`). On CUDA that happens on a side stream one batch ahead of
-the training step, so decoding overlaps the step.
+(`augment.crop_resize_flip_ragged`). A thread of the stream's own does that one batch ahead of
+the training step (the decoder makes its caller wait for the whole batch), on CUDA streams of its
+own, so decoding overlaps the step.
 
 Files nvJPEG cannot take (not a JPEG, CMYK/YCCK, lossless or arithmetic-coded JPEGs; found from
 the header, `gpu_unsupported`) are decoded by PIL in the worker, that file alone, and counted;
@@ -23,17 +24,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import queue
 import random
+import threading
 import warnings
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from speedrun.data.augment import crop_resize_flip_ragged
-from speedrun.data.base import BadImages, Batch, Shard, to_device
+from speedrun.data.base import BadImages, Batch, Shard, host_to_device
 from speedrun.data.imagefolder import MAX_SUBSTITUTES, ImageFolderTrainStream, LoaderOptions, shared_buffer
 from speedrun.data.index import Split
 from speedrun.data.transforms import crop_params, open_image
@@ -41,6 +44,7 @@ from speedrun.errors import SpeedrunError, one_line
 from speedrun.recipe import Phase
 
 log = logging.getLogger("speedrun.data")
+_END = object()  # what the decode thread offers after an epoch's last batch
 
 # Start-of-frame markers nvJPEG decodes: baseline (SOF0), extended (SOF1), progressive (SOF2),
 # all Huffman-coded. The others are lossless, hierarchical or arithmetic-coded.
@@ -103,11 +107,6 @@ class EncodedBatch:
     epoch: int
     bad: list[tuple[str, str]] = field(default_factory=list)  # (path, why) skipped in the worker
     cpu_decoded: list[str] = field(default_factory=list)  # paths the worker decoded with PIL
-
-    def pin_memory(self) -> EncodedBatch:
-        """Called by the DataLoader (pin_memory=True): page-locked bytes copy to the GPU faster."""
-        self.packed, self.labels = self.packed.pin_memory(), self.labels.pin_memory()
-        return self
 
     def files(self) -> list[torch.Tensor | None]:
         """Each sample's encoded bytes (1-D uint8 views), None for those decoded already."""
@@ -200,60 +199,116 @@ class GpuDecodeTrainStream(ImageFolderTrainStream):
 
     bad: where undecodable files are recorded; cpu_decoded: where files decoded on the CPU
     rather than the device are (both `data.base.BadImages`).
+
+    A thread of the stream's own prepares each batch (decode, crop) one batch ahead: torchvision's
+    decoder makes the calling thread wait until the batch is decoded, and the training loop must
+    not wait with it. On CUDA the crops run on a side stream, and a batch is handed over with an
+    event that the training stream waits on, so the step of batch N never waits for batch N + 1.
     """
 
     def __init__(self, reader: ByteReader, shard: Shard, seed: int, batch_size: int, options: LoaderOptions,
                  device: torch.device, bad: BadImages, cpu_decoded: BadImages):
-        super().__init__(reader, shard, seed, batch_size, options, bad)
+        # Bytes stay in (shared) pageable memory: nvJPEG copies them to the GPU itself.
+        super().__init__(reader, shard, seed, batch_size, replace(options, pin_memory=False), bad)
         self.reader, self.device, self.cpu_decoded = reader, device, cpu_decoded
-        # Decoding and cropping run on this stream, one batch ahead of the step that uses them.
-        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        cuda = device.type == "cuda"
+        self._stream = torch.cuda.Stream(device) if cuda else None  # the crops
+        # torchvision's decoder allocates its outputs on the current stream but writes them from a
+        # stream of its own, without waiting for the current one: on a stream that runs anything
+        # else it could be handed memory that queued work still reads. This one runs nothing else.
+        self._decode_stream = torch.cuda.Stream(device) if cuda else None
 
     def __iter__(self) -> Iterator[Batch]:
-        pending = None
-        for encoded in self._dataloader:
-            ready = self._prepare(encoded)
-            if pending is not None:
-                yield self._hand_over(pending)
-            pending = ready
-        if pending is not None:
-            yield self._hand_over(pending)
+        ready: queue.Queue = queue.Queue(maxsize=1)  # one prepared batch ahead
+        stop = threading.Event()
+        worker = threading.Thread(target=self._produce, args=(ready, stop), name="speedrun-gpu-decode", daemon=True)
+        worker.start()
+        try:
+            while (item := ready.get()) is not _END:
+                if isinstance(item, BaseException):
+                    raise item
+                yield self._hand_over(*item)
+        finally:  # the epoch ended, or the loop stopped early: let the thread finish
+            stop.set()
+            with contextlib.suppress(queue.Empty):
+                ready.get_nowait()
+            worker.join()
 
-    def _prepare(self, encoded: EncodedBatch) -> Batch:
-        """Decode and crop `encoded` (on the side stream on CUDA: asynchronous)."""
+    def _produce(self, ready: queue.Queue, stop: threading.Event) -> None:
+        """The thread's loop: every batch of the epoch prepared and offered to `ready`, then _END
+        (or the exception that ended it)."""
+        def offer(item) -> bool:
+            while not stop.is_set():
+                with contextlib.suppress(queue.Full):
+                    ready.put(item, timeout=0.1)
+                    return True
+            return False
+
+        try:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)  # a new thread starts on device 0
+            for encoded in self._dataloader:
+                if not offer(self._prepare(encoded)):
+                    return
+            offer(_END)
+        except BaseException as e:  # noqa: BLE001 - raised again in the training thread
+            offer(e)
+
+    def _prepare(self, encoded: EncodedBatch) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]:
+        """Decode and crop `encoded`: (images, labels, an event marking the end of that work on
+        CUDA, else None)."""
         if encoded.bad:
             self._bad.add(encoded.bad)
         if encoded.cpu_decoded:
             self.cpu_decoded.add([(path, "nvJPEG cannot decode it") for path in encoded.cpu_decoded])
-        on_side = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
-        with on_side:
-            images = self._decode_batch(encoded)
-            sizes = torch.tensor([[im.shape[2], im.shape[1]] * 2 for im in images], dtype=torch.float64)
-            boxes = encoded.boxes * sizes  # fractions -> pixels of what was decoded
-            out = crop_resize_flip_ragged(images, boxes, encoded.flips, self.reader.phase.size)
-            labels = to_device(encoded.labels, self.device)
-        return out, labels
+        if self._stream is None:
+            return *self._decode_and_crop(encoded), None
+        with torch.cuda.stream(self._stream):
+            images, labels = self._decode_and_crop(encoded)
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        return images, labels, done
 
-    def _hand_over(self, batch: Batch) -> Batch:
-        """The batch, safe to use on the current stream: it waits for the side stream's work, and
-        the memory made there is not reused before the current stream is done with it."""
-        if self._stream is not None:
+    def _decode_and_crop(self, encoded: EncodedBatch) -> Batch:
+        images = self._decode_batch(encoded)  # may replace samples in `encoded` (bad files)
+        sizes = torch.tensor([[im.shape[2], im.shape[1]] * 2 for im in images], dtype=torch.float64)
+        boxes = encoded.boxes * sizes  # fractions -> pixels of what was decoded
+        out = crop_resize_flip_ragged(images, boxes, encoded.flips, self.reader.phase.size)
+        return out, host_to_device(encoded.labels, self.device)
+
+    def _hand_over(self, images: torch.Tensor, labels: torch.Tensor, done: torch.cuda.Event | None) -> Batch:
+        """The batch, safe to use on the current stream: it waits for this batch's work only, and
+        the memory made on the side stream is not reused before the current stream is done with it."""
+        if done is not None:
             current = torch.cuda.current_stream(self.device)
-            current.wait_stream(self._stream)
-            for t in batch:
-                t.record_stream(current)
-        return batch
+            current.wait_event(done)
+            images.record_stream(current)
+            labels.record_stream(current)
+        return images, labels
+
+    def _decode_on_device(self, files: list[torch.Tensor]) -> list[torch.Tensor]:
+        """decode_jpeg on the device; on CUDA on the decode stream, ordered before the crops."""
+        if self._decode_stream is None:
+            return _decode(files, self.device)
+        self._decode_stream.wait_stream(self._stream)
+        with torch.cuda.stream(self._decode_stream):
+            images = _decode(files, self.device)
+        self._stream.wait_stream(self._decode_stream)
+        for image in images:  # freed after the crops have read it, not before
+            image.record_stream(self._stream)
+        return images
 
     def _decode_batch(self, encoded: EncodedBatch) -> list[torch.Tensor]:
         """Every sample as uint8 3 x H x W on the device: the encoded ones in one call; where that
-        call fails, each alone (`_decode_one`); a file nothing decodes is replaced by the next."""
+        call fails, each alone (`_decode_one`). A file nothing decodes is replaced by the next row,
+        whose box, flip and label are then written into `encoded`."""
         files = encoded.files()
         todo = [i for i, f in enumerate(files) if f is not None]
         images: list[torch.Tensor | None] = [None] * len(files)
         for i, pixels in encoded.pixels.items():
-            images[i] = to_device(pixels, self.device)
+            images[i] = host_to_device(pixels, self.device)
         try:
-            for i, image in zip(todo, _decode([files[i] for i in todo], self.device) if todo else []):
+            for i, image in zip(todo, self._decode_on_device([files[i] for i in todo]) if todo else []):
                 images[i] = image
         except RuntimeError:  # a file the header check let through: find it
             for i in todo:
@@ -270,7 +325,7 @@ class GpuDecodeTrainStream(ImageFolderTrainStream):
                 self._bad.add(found)
                 row = s.row
                 encoded.boxes[i], encoded.flips[i], encoded.labels[i] = torch.tensor(s.box), s.flip, s.label
-                images[i] = (s.pixels.to(self.device) if s.pixels is not None
+                images[i] = (host_to_device(s.pixels, self.device) if s.pixels is not None
                              else self._decode_one(torch.from_numpy(s.data), s.path))
             else:
                 raise SpeedrunError(f"{MAX_SUBSTITUTES} undecodable images in a row from {self.reader.root}: "
@@ -281,14 +336,14 @@ class GpuDecodeTrainStream(ImageFolderTrainStream):
         """One file on the device, else on the CPU (counted in `cpu_decoded`); None (counted as
         bad) when no decoder reads it."""
         with contextlib.suppress(RuntimeError):
-            return _decode([data], self.device)[0]
+            return self._decode_on_device([data])[0]
         if self.device.type != "cpu":
             with contextlib.suppress(RuntimeError):
-                image = _decode([data], torch.device("cpu"))[0].to(self.device)
+                image = host_to_device(_decode([data], torch.device("cpu"))[0], self.device)
                 self.cpu_decoded.add([(path, "nvJPEG failed on it")])
                 return image
         with contextlib.suppress(Exception):
-            image = decode_rgb(path).to(self.device)  # what libjpeg refuses, PIL may still read
+            image = host_to_device(decode_rgb(path), self.device)  # what libjpeg refuses, PIL may still read
             self.cpu_decoded.add([(path, "libjpeg failed on it; PIL read it")])
             return image
         self._bad.add([(path, "no decoder reads it")])
