@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # The GPU speed check of issue 14, prepared to run in one go on one GPU (an H200 with 16 cores in
 # mind) within 8 minutes: each step has its own timeout, and a step that runs out leaves the others
-# their time. Runs from a checkout without installing (PYTHONPATH=src); needs only torch,
-# torchvision and timm, no network. Side by side, in one run:
+# their time (150 + 100 + 180 + 20 + 20 s, plus seconds for nvidia-smi). Runs from a checkout
+# without installing (PYTHONPATH=src); needs torch, torchvision, timm and rich, no network.
+# Side by side, in one run:
 #   1. ResNet-50 training images/s at 128, 224 and 288 px on synthetic data already on the GPU:
 #      a plain baseline, speedrun's step, and speedrun's step with one setting taken away each
 #      (bf16, channels_last, fused SGD, cuDNN autotuning)            -> gpu-check-step.json
 #   2. the same step with torch.compile at 224 px                    -> gpu-check-compile.json
-#   3. a generated ImageNet-shaped JPEG tree: decode-only images/s of the PIL loader, torchvision's
-#      ImageFolder and the GPU decode path; the GPU path's batches against the PIL loader's (same
-#      labels? how far apart are the pixels?); then ResNet-50 training fed from the JPEGs by the PIL
-#      loader and by the GPU decode path, next to the synthetic rate  -> gpu-check-feed.json
+#   3. a generated ImageNet-shaped JPEG tree: ResNet-50 training fed from the JPEGs by the PIL
+#      loader and by the GPU decode path, next to the synthetic rate (first: the goals need it);
+#      then decode-only images/s of the PIL loader, torchvision's ImageFolder and the GPU decode
+#      path, one core's worker work, and the GPU path's batches against the PIL loader's (same
+#      labels? how far apart are the pixels?)                           -> gpu-check-feed.json
 #   4. the goals (fed >= 95% of synthetic at every size; synthetic >= 7,800 images/s at 224 px,
 #      MLPerf v4.0's pace per H200) and the projected time of each ImageNet schedule on 8 such
 #      GPUs                                                             -> gpu-check-summary.json
@@ -25,22 +27,22 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "import torch, torchvision; print('torch', torch.__version__, 'torchvision', torchvision.__version__)" \
     | tee -a "$out/device.txt"
 
-echo "== 1. step settings, synthetic data (160 s at most)"
-timeout 160 python3 benchmarks/throughput.py --model resnet50 --sizes 128 224 288 --batch 256 256 192 \
+echo "== 1. step settings, synthetic data (150 s at most)"
+timeout -k 10 150 python3 benchmarks/throughput.py --model resnet50 --sizes 128 224 288 --batch 256 256 192 \
     --steps 25 --warmup 8 --variants baseline speedrun no-bf16 no-channels-last no-fused no-autotune \
     --json "$out/gpu-check-step.json" 2>&1 | tee "$out/step.txt"
 
-echo "== 2. torch.compile at 224 px (110 s at most)"
-timeout 110 python3 benchmarks/throughput.py --model resnet50 --sizes 224 --batch 256 --steps 25 --warmup 8 \
+echo "== 2. torch.compile at 224 px (100 s at most)"
+timeout -k 10 100 python3 benchmarks/throughput.py --model resnet50 --sizes 224 --batch 256 --steps 25 --warmup 8 \
     --variants speedrun +compile --json "$out/gpu-check-compile.json" 2>&1 | tee "$out/compile.txt"
 
-echo "== 3. fed from JPEGs: PIL loader vs the GPU decode path (200 s at most)"
-timeout 200 python3 benchmarks/loader.py --images 12000 --classes 100 --sizes 128 224 288 --batch 256 \
+echo "== 3. fed from JPEGs: PIL loader vs the GPU decode path (180 s at most)"
+timeout -k 10 180 python3 benchmarks/loader.py --images 12000 --classes 100 --sizes 128 224 288 --batch 256 \
     --workers "$workers" --warmup $((2 * workers + 4)) --batches 40 --no-prepare \
-    --train resnet50 --train-loaders pil gpu --train-steps 40 --json "$out/gpu-check-feed.json" 2>&1 | tee "$out/feed.txt"
+    --train resnet50 --train-first --train-loaders pil gpu --train-steps 40 --json "$out/gpu-check-feed.json" 2>&1 | tee "$out/feed.txt"
 
 echo "== 4. goals and projection"
-python3 - "$out" <<'EOF' | tee "$out/summary.txt"
+timeout 20 python3 - "$out" <<'EOF' | tee "$out/summary.txt"
 import json, sys
 from pathlib import Path
 
@@ -67,6 +69,6 @@ if step.exists():
 print(json.dumps(summary, indent=2))
 (out / "gpu-check-summary.json").write_text(json.dumps(summary, indent=2))
 EOF
-if [ -s "$out/gpu-check-summary.json" ] && grep -q '"128"' "$out/gpu-check-summary.json"; then
-    python3 -m speedrun recipes --project "$out/gpu-check-summary.json" --gpus 8 2>&1 | tee "$out/projection.txt"
+if [ -s "$out/gpu-check-summary.json" ] && ! grep -q '"images_per_s": {}' "$out/gpu-check-summary.json"; then
+    timeout 20 python3 -m speedrun recipes --project "$out/gpu-check-summary.json" --gpus 8 2>&1 | tee "$out/projection.txt"
 fi

@@ -239,6 +239,7 @@ def main() -> None:
     p.add_argument("--train-loaders", nargs="+", default=["pil", "gpu"], help="--loader values to feed it (default pil gpu)")
     p.add_argument("--train-steps", type=int, default=60)
     p.add_argument("--train-device", default="cuda", help="device for --train (default cuda)")
+    p.add_argument("--train-first", action="store_true", help="time --train before the rest (a run cut short keeps it)")
     p.add_argument("--json", type=Path, help="write the results here too")
     args = p.parse_args()
     warmup = args.warmup if args.warmup is not None else 2 * args.workers + 4
@@ -259,8 +260,23 @@ def main() -> None:
         imagenet_tree(tree, classes=args.classes, train_per_class=per_class, val_per_class=max(1, per_class // 10),
                       workers=args.workers)
         print(f"generated {per_class * args.classes} train images in {time.perf_counter() - start:.1f} s at {tree}", flush=True)
+    def train() -> None:
+        results["train"] = []
+        for size in args.sizes:
+            # Warm-up past the prefetched queue, so the timed steps wait on the loader if it is slower.
+            tr = bench_train(tree, args.train, size, args.batch, args.workers, 4 * args.workers + 10,
+                             args.train_steps, args.train_device, tuple(args.train_loaders))
+            results["train"].append(tr)
+            save(args.json, results)
+            fed = ", ".join(f"--loader {name} {tr[f'{name}_images_per_s']:,.0f} images/s "
+                            f"({tr[f'{name}_vs_synthetic']:.0%})" for name in args.train_loaders)
+            print(f"train {args.train} {size} px batch {args.batch}: {fed}; synthetic "
+                  f"{tr['synthetic_images_per_s']:,.0f} images/s", flush=True)
+
     copies = Path(tempfile.mkdtemp(prefix="speedrun-bench-sz-"))
     try:
+        if args.train and args.train_first:
+            train()
         results["loader"] = []
         for size in args.sizes:
             ours = bench_speedrun(tree, size, args.batch, args.workers, warmup, batches)
@@ -306,18 +322,8 @@ def main() -> None:
                 row[f"speedrun_{copy}px_copy_images_per_s"] = round(rate, 1)
                 print(f"{row['size']:4d} px  speedrun from the {copy} px copy {rate:8,.0f} images/s   "
                       f"({rate / row['torchvision_images_per_s']:.2f}x torchvision on full size)", flush=True)
-        if args.train:
-            results["train"] = []
-            for size in args.sizes:
-                # Warm-up past the prefetched queue, so the timed steps wait on the loader if it is slower.
-                tr = bench_train(tree, args.train, size, args.batch, args.workers, 4 * args.workers + 10,
-                                 args.train_steps, args.train_device, tuple(args.train_loaders))
-                results["train"].append(tr)
-                save(args.json, results)
-                fed = ", ".join(f"--loader {name} {tr[f'{name}_images_per_s']:,.0f} images/s "
-                                f"({tr[f'{name}_vs_synthetic']:.0%})" for name in args.train_loaders)
-                print(f"train {args.train} {size} px batch {args.batch}: {fed}; synthetic "
-                      f"{tr['synthetic_images_per_s']:,.0f} images/s", flush=True)
+        if args.train and not args.train_first:
+            train()
     finally:
         shutil.rmtree(copies, ignore_errors=True)
         if tmp is not None:

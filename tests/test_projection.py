@@ -33,6 +33,10 @@ def test_a_schedule_takes_its_images_over_the_rate_at_each_size():
     assert p.eval_s == pytest.approx(600 / (EVAL_SPEEDUP * 1000 * 2) + 600 / (EVAL_SPEEDUP * 500 * 2))
     with pytest.raises(SpeedrunError, match="--scaling"):
         project(recipe, rates, scaling=1.5)
+    with pytest.raises(SpeedrunError, match="--gpus"):
+        project(recipe, rates, gpus=0)
+    with pytest.raises(SpeedrunError, match="reads fashion-mnist"):
+        project(BUILTIN["tiny"], rates)
 
 
 def test_the_command_prints_each_imagenet_schedule_next_to_the_record(tmp_path):
@@ -47,12 +51,14 @@ def test_the_command_prints_each_imagenet_schedule_next_to_the_record(tmp_path):
     assert "NVIDIA H200" in proc.stdout and "12.03 min" in proc.stdout
 
 
-@pytest.mark.parametrize("rates, message", [
-    ("128=fast", "give SIZE=IMAGES_PER_S pairs"),
-    ("128=-5", "must be positive"),
-    ("missing.json", "no such file"),
+@pytest.mark.parametrize("args, message", [
+    (["--project", "128=fast"], "give SIZE=IMAGES_PER_S pairs"),
+    (["--project", "128=-5"], "must be positive"),
+    (["--project", "missing.json"], "no such file"),
+    (["--project", "128=1000", "--gpus", "0"], "--gpus must be 1 or more"),
+    (["--gpus", "8"], "go with --project"),
 ])
-def test_bad_rates_are_one_line(tmp_path, rates, message):
-    proc = speedrun("recipes", "imagenet-1x8", "--project", rates, cwd=tmp_path)
+def test_bad_rates_are_one_line(tmp_path, args, message):
+    proc = speedrun("recipes", "imagenet-1x8", *args, cwd=tmp_path)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1

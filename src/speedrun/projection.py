@@ -96,10 +96,15 @@ class Projection:
 def project(recipe: Recipe, rates: Rates, gpus: int | None = None, scaling: float = 1.0,
             train_images: int = IMAGENET_TRAIN_IMAGES, val_images: int = IMAGENET_VAL_IMAGES) -> Projection:
     """The time `recipe` takes on `gpus` GPUs (None: the count it was written for) at `rates`,
-    keeping `scaling` (0..1] of linear speed-up; see the module docstring."""
-    gpus = gpus or recipe.world_size
+    keeping `scaling` (0..1] of linear speed-up, over ImageNet-1k's images (or the recipe's
+    subset); see the module docstring."""
+    if recipe.dataset != "imagefolder":
+        raise SpeedrunError(f"--project times image-folder (ImageNet) schedules; {recipe.name!r} reads {recipe.dataset}")
+    gpus = recipe.world_size if gpus is None else gpus
     if gpus < 1 or not 0 < scaling <= 1:
         raise SpeedrunError(f"--gpus must be 1 or more and --scaling in (0, 1], got {gpus} and {scaling}")
+    train_images = min(train_images, recipe.train_examples or train_images)
+    val_images = min(val_images, recipe.val_examples or val_images)
     pace = gpus * scaling
     train_s = sum(p.epochs * train_images / (rates.at(p.size) * pace) for p in recipe.phases)
     evaluated = [e for e in range(recipe.epochs) if (e + 1) % recipe.eval_every == 0 or e == recipe.epochs - 1]
