@@ -422,8 +422,8 @@ def cmd_tb(args: argparse.Namespace) -> int:
     # Ended by kill or a closed terminal as by Ctrl-C: TensorBoard on task 0 is stopped too.
     stop_on_sigterm((signal.SIGTERM, signal.SIGHUP))
     tb = job.tensorboard(local_port=args.port)
-    print(f"TensorBoard for {job.name}: {tb.url}  (Ctrl-C stops it)", flush=True)
-    try:
+    try:  # the URL is printed inside: a signal may come the moment it is read
+        print(f"TensorBoard for {job.name}: {tb.url}  (Ctrl-C stops it)", flush=True)
         while tb.tunnel is None or tb.tunnel.poll() is None:
             time.sleep(1)  # nothing to do but keep the tunnel open until Ctrl-C
         print("speedrun: the ssh tunnel closed", file=sys.stderr)
