@@ -14,7 +14,8 @@ import torch
 from PIL import Image
 
 from speedrun.data.base import Shard, epoch_permutation, rank_indices
-from speedrun.data.imagefolder import ImageFolderSource, ImageFolderTrainStream
+from speedrun.data.imagefolder import ImageFolderSource
+from speedrun.data.loading import ImageFolderTrainStream
 from speedrun.errors import SpeedrunError
 from speedrun.recipe import Phase, Recipe
 from test_data_helpers import train_from_cli

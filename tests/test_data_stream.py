@@ -107,7 +107,7 @@ def test_build_source_dispatches_to_image_folders(tree):
 
 def test_the_dali_loader_without_dali_is_a_clear_error_and_auto_means_pil_on_the_cpu(tree, monkeypatch):
     from speedrun.data import dali
-    from speedrun.data.imagefolder import ImageFolderTrainStream
+    from speedrun.data.loading import ImageFolderTrainStream
     from speedrun.errors import SpeedrunError
 
     monkeypatch.setattr(dali, "installed", lambda: False)

@@ -37,7 +37,7 @@ import torch
 
 from speedrun.data.augment import crop_resize_flip_ragged
 from speedrun.data.base import BadImages, Batch, Shard, host_to_device
-from speedrun.data.imagefolder import MAX_SUBSTITUTES, ImageFolderTrainStream, LoaderOptions, shared_buffer
+from speedrun.data.loading import MAX_SUBSTITUTES, ImageFolderTrainStream, LoaderOptions, shared_buffer
 from speedrun.data.index import Split
 from speedrun.data.transforms import crop_params, open_image
 from speedrun.errors import SpeedrunError, one_line

@@ -24,16 +24,22 @@ import logging
 import os
 import random
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, get_worker_info
+from torch.utils.data import DataLoader
 
 from speedrun.data import LOADERS
-from speedrun.data.base import BadImages, Batch, Shard, TrainStream, epoch_permutation, rank_indices, split_batches_contiguously
+from speedrun.data.base import BadImages, Batch, Shard, TrainStream, split_batches_contiguously
 from speedrun.data.index import Index, Split, load_index
+from speedrun.data.loading import (
+    MAX_SUBSTITUTES,
+    ImageFolderTrainStream,
+    LoaderOptions,
+    passthrough,
+    shared_buffer,
+)
 from speedrun.data.rect import ValBatch, rect_plan, resize_for, square_plan
 from speedrun.data.transforms import decode_eval, decode_train
 from speedrun.errors import SpeedrunError, one_line
@@ -44,25 +50,7 @@ log = logging.getLogger("speedrun.data")
 # ImageNet statistics in 0..255 units (torchvision's, x 255).
 IMAGENET_MEAN = (123.675, 116.28, 103.53)
 IMAGENET_STD = (58.395, 57.12, 57.375)
-# A run of this many undecodable samples in a row means the data is broken, not a few bad files.
-MAX_SUBSTITUTES = 64
 SUBSET_SEED = 0  # fixed: a recipe's train_examples subset is the same for every run
-
-
-@dataclass(frozen=True)
-class LoaderOptions:
-    """How batches are produced; every field may be overridden by the caller.
-
-    workers: decode processes per device (0 = decode in the calling process).
-    pin_memory: page-locked batches for fast, asynchronous host-to-GPU copies (None: on CUDA).
-    prefetch: batches each worker keeps ready ahead of the loop.
-    draft: JPEG DCT-scaled decoding when the crop allows it.
-    """
-
-    workers: int = 0
-    pin_memory: bool = False
-    prefetch: int = 2
-    draft: bool = True
 
 
 def default_workers() -> int:
@@ -74,17 +62,6 @@ def default_workers() -> int:
 
 # ---------------------------------------------------------------------------------------------
 # Map-style datasets that decode whole batches (DataLoader calls __getitems__ with a batch).
-
-
-def shared_buffer(shape: tuple[int, ...]) -> torch.Tensor:
-    """A uint8 buffer; in a worker, allocated in shared memory so sending it copies nothing."""
-    buf = torch.empty(shape, dtype=torch.uint8)
-    return buf.share_memory_() if get_worker_info() is not None else buf
-
-
-def _passthrough(batch):
-    """collate_fn: __getitems__ already returns a finished batch."""
-    return batch
 
 
 class _TrainDecoder(torch.utils.data.Dataset):
@@ -156,31 +133,6 @@ class _EvalDecoder(torch.utils.data.Dataset):
         return self.__getitems__([key])
 
 
-# ---------------------------------------------------------------------------------------------
-# Samplers
-
-
-class _EpochBatchSampler:
-    """This rank's training batches of the current epoch, per the rules in `data.base`.
-
-    `epoch` and `batch_size` are read when iteration starts, so the trainer can change them
-    between epochs while the DataLoader (and its persistent workers) stays.
-    """
-
-    def __init__(self, num: int, shard: Shard, seed: int, batch_size: int):
-        self.num, self.shard, self.seed, self.batch_size, self.epoch = num, shard, seed, batch_size, 0
-        self.start_step = 0
-
-    def __len__(self) -> int:
-        return self.num // self.shard.world_size // self.batch_size
-
-    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
-        epoch, bs = self.epoch, self.batch_size
-        rows = rank_indices(epoch_permutation(self.num, self.seed, epoch), self.shard, bs).tolist()
-        for i in range(self.start_step * bs, len(rows), bs):
-            yield [(epoch, r) for r in rows[i : i + bs]]
-
-
 def _sample(split: Split, limit: int | None) -> Split:
     """A fixed, seeded sample of `limit` rows in index order; not the first N, because the
     index is sorted by class and the first N would be a few classes only."""
@@ -191,59 +143,7 @@ def _sample(split: Split, limit: int | None) -> Split:
 
 
 # ---------------------------------------------------------------------------------------------
-# The stream and the source
-
-
-class ImageFolderTrainStream:
-    """Training batches for one data setting (`Phase.data_key`); see `data.base.TrainStream`."""
-
-    def __init__(self, dataset: torch.utils.data.Dataset, shard: Shard, seed: int, batch_size: int,
-                 options: LoaderOptions, bad: BadImages):
-        # `dataset` is a batch decoder: _TrainDecoder here, `gpu.ByteReader` for the GPU path.
-        self._sampler = _EpochBatchSampler(len(dataset), shard, seed, batch_size)
-        self._bad = bad
-        workers = options.workers
-        self._dataloader = DataLoader(
-            dataset,
-            batch_sampler=self._sampler,
-            num_workers=workers,
-            collate_fn=_passthrough,
-            pin_memory=options.pin_memory,
-            persistent_workers=workers > 0,
-            prefetch_factor=options.prefetch if workers > 0 else None,
-        )
-
-    @property
-    def batch_size(self) -> int:
-        return self._sampler.batch_size
-
-    @batch_size.setter
-    def batch_size(self, value: int) -> None:
-        self._sampler.batch_size = int(value)
-
-    def set_epoch(self, epoch: int, start_step: int = 0) -> None:
-        self._sampler.epoch, self._sampler.start_step = int(epoch), int(start_step)
-
-    def __len__(self) -> int:
-        return len(self._sampler)
-
-    def __iter__(self) -> Iterator[Batch]:
-        for images, labels, bad in self._dataloader:
-            if bad:
-                self._bad.add(bad)
-            yield images, labels
-
-    def worker_pids(self) -> list[int]:
-        """PIDs of the decode workers (empty before the first epoch or without workers)."""
-        it = self._dataloader._iterator  # DataLoader keeps the persistent iterator here
-        return [w.pid for w in getattr(it, "_workers", [])] if it is not None else []
-
-    def close(self) -> None:
-        """Stop the workers now (not whenever the garbage collector gets to them)."""
-        it = self._dataloader._iterator
-        if it is not None and hasattr(it, "_shutdown_workers"):
-            it._shutdown_workers()
-        self._dataloader._iterator = None
+# The source
 
 
 class ImageFolderSource:
@@ -398,7 +298,7 @@ class ImageFolderSource:
             dataset,
             batch_sampler=keys,
             num_workers=workers,
-            collate_fn=_passthrough,
+            collate_fn=passthrough,
             pin_memory=self.options.pin_memory,
             prefetch_factor=self.options.prefetch if workers > 0 else None,
         )
