@@ -73,8 +73,15 @@ def test_bad_input_is_one_line_and_exit_status_2(argv, message, capsys):
     (["--hosts", "root@gpu1", "--recover", "--watcher-host", "root@ctl"],
      "a watcher on another host reaches the job's hosts with a key copied there: give it with --identity"),
     (["--recover", "--watcher-host", "root@ctl:notaport"], "bad host 'root@ctl:notaport'"),
+    (["--recover", "--watcher-env", "AWS_REGION=eu-west-1"], "--watcher-env needs --watcher-host"),
+    (["--recover", "--watcher-host", "root@ctl", "--watcher-env", "s3cr3t-without-a-name"], "bad --watcher-env"),
+    (["--recover", "--watcher-host", "root@ctl", "--watcher-env", "AWS_SECRET_ACCESS_KEY=s3cr3t"],
+     "--watcher-env AWS_SECRET_ACCESS_KEY: speedrun does not copy AWS credentials to the controller"),
+    (["--recover", "--watcher-host", "root@ctl", "--watcher-env", "AWS_SESSION_TOKEN=s3cr3t"],
+     "--watcher-env AWS_SESSION_TOKEN: speedrun does not copy AWS credentials"),
 ])
 def test_a_watcher_host_that_cannot_work_is_one_line_before_anything_starts(flags, message, capsys):
     assert main(["launch", "wh", *flags, "--", "x.py"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"speedrun: error: {message}") and "\n" not in err
+    assert "s3cr3t" not in err  # a value given for the controller is never printed

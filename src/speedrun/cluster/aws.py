@@ -701,10 +701,13 @@ class AWSProvider(Provider):
         return self._hosts[index]
 
     def relocate(self, home: str) -> tuple[dict[str, Any], dict[str, Path]]:
-        """The region's private key and the pinned host keys go to `home`; AWS credentials do not
-        (the controller has its own: an instance role, or its ~/.aws)."""
+        """The region's key (the public half too: a replacement's launch checks it against the key
+        pair's) and the pinned host keys go to `home`; AWS credentials do not (the controller has
+        its own: an instance role, or its ~/.aws)."""
         region = self.session.region
-        files = {"known_hosts": self.known_hosts, f"keys/aws-{region}": key_path(region, self.config_dir)}
+        key = key_path(region, self.config_dir)
+        files = {"known_hosts": self.known_hosts, f"keys/aws-{region}": key,
+                 f"keys/aws-{region}.pub": Path(f"{key}.pub")}
         return {**self.record(), "config_dir": home}, files
 
     def environment(self) -> dict[str, str]:

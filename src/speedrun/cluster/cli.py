@@ -66,6 +66,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("watch", help="watch and recover a job on the controller host that `speedrun launch "
                                      "--recover --watcher-host` prepared (it runs this itself)")
     p.add_argument("name", help="job name")
+    p.add_argument("--check", action="store_true",
+                   help="only check that the watcher can start here (its record, and the provider reached)")
     p.set_defaults(func=cmd_watch)
 
     p = sub.add_parser("down", help="end a job for good: terminate the instances speedrun started for it "
@@ -116,6 +118,10 @@ def add_launch_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--watcher-host", metavar="USER@HOST[:PORT]",
                    help="with --recover: run the watcher on this long-lived host (reached with the ssh options "
                         "below) instead of in this process, which then returns; see docs/cluster.md")
+    p.add_argument("--watcher-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="with --watcher-host: set a variable for the watcher there only (repeatable), e.g. "
+                        "AWS_PROFILE, AWS_REGION, AWS_SHARED_CREDENTIALS_FILE, AWS_ENDPOINT_URL; not recorded or "
+                        "printed. AWS keys are refused: the controller has credentials of its own")
     g = p.add_argument_group("ssh")
     g.add_argument("--identity", type=Path, help="private key (default: ssh's own choice and agent)")
     g.add_argument("--known-hosts", type=Path,
@@ -190,15 +196,17 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if args.watcher_host is not None and not args.recover:
         raise SpeedrunError("--watcher-host needs --recover (it says where the recovering watcher runs)")
     watcher_host = None if args.watcher_host is None else str(HostSpec.parse(args.watcher_host))
+    if args.watcher_env and watcher_host is None:
+        raise SpeedrunError("--watcher-env needs --watcher-host (it sets variables for the watcher there)")
+    watcher_env = parse_env(args.watcher_env, "--watcher-env", show=False)
+    for key in sorted(set(watcher_env) & AWS_SECRETS):
+        raise SpeedrunError(f"--watcher-env {key}: speedrun does not copy AWS credentials to the controller; give "
+                            f"it its own (an instance role, or ~/.aws there; AWS_SHARED_CREDENTIALS_FILE=PATH names "
+                            f"a credentials file on it)")
     hosts = [h for h in args.hosts.split(",") if h.strip()]
     provider = args.provider or ("ssh" if hosts else "local")
     num_tasks = args.tasks if args.tasks is not None else (len(hosts) or 1)
-    env = {}
-    for item in args.env:
-        key, sep, value = item.partition("=")
-        if not sep or not key.isidentifier():
-            raise SpeedrunError(f"bad --env {item!r}: write KEY=VALUE")
-        env[key] = value
+    env = parse_env(args.env, "--env")
     setup = None
     if args.setup is not None:
         if not args.setup.is_file():
@@ -222,7 +230,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
           f"  stop:   speedrun kill {job.name}")
     if watcher_host is not None:
         from speedrun.cluster.controller import start_watcher
-        watcher = start_watcher(job, watcher_host, ssh_options, max_restarts=args.max_restarts, python=args.python)
+        watcher = start_watcher(job, watcher_host, ssh_options, max_restarts=args.max_restarts, python=args.python,
+                                env=watcher_env)
         print(f"job {job.name}: watched from {watcher_host}, not from here (this process may end):\n"
               f"  watcher: speedrun logs {watcher.name}   (speedrun kill {job.name} stops it too)")
         return 0
@@ -240,6 +249,22 @@ def cmd_launch(args: argparse.Namespace) -> int:
     for i, r in failed:
         print(f"speedrun: task {i} failed with exit status {r.status} (log: {r.log})", file=sys.stderr)
     return EXIT_FAILED if failed else 0
+
+
+# What --watcher-env refuses: AWS credentials themselves (a controller uses its own, never copies).
+AWS_SECRETS = {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN"}
+
+
+def parse_env(items: list[str], option: str, *, show: bool = True) -> dict[str, str]:
+    """KEY=VALUE items of `option` as a dict; SpeedrunError for one not of that form (quoting it
+    unless `show` is False: values that may be secret are never printed)."""
+    env = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise SpeedrunError(f"bad {option}{f' {item!r}' if show else ''}: write KEY=VALUE")
+        env[key] = value
+    return env
 
 
 def wait_for_job(job, window: str, follow: bool) -> list:
@@ -356,7 +381,10 @@ def cmd_watch(args: argparse.Namespace) -> int:
     from speedrun.cluster.controller import watch_recorded
 
     show_progress()
-    watch_recorded(args.name)
+    watch_recorded(args.name, check=args.check)
+    if args.check:
+        print(f"job {args.name}: the watcher can start here")
+        return 0
     print(f"job {args.name}: every task succeeded; recoveries, if any, are in its run directory's recoveries.jsonl")
     return 0
 

@@ -15,13 +15,18 @@ puts under ~/.speedrun/watchers/<job>/ there:
                     the setup script). Files mode 0600, directories 0700.
 
 and runs `python3 -m speedrun watch <job>` there in a window named `watch`, so `speedrun ls` and
-`speedrun logs <job>-watcher` show it. No AWS credentials travel: the controller uses its own
-(an instance role, or its ~/.aws). The watcher's state is the run directory's, as everywhere:
-started again, it counts the recoveries already made.
+`speedrun logs <job>-watcher` show it; `speedrun watch --check <job>` first, so that a controller
+that cannot reach the job's provider (no boto3, no AWS credentials, no route) is one line here.
+No AWS credentials travel: the controller uses its own (an instance role, or its ~/.aws).
+`env` (--watcher-env) sets variables of the watcher's environment there, such as AWS_PROFILE or
+AWS_SHARED_CREDENTIALS_FILE; they are neither recorded nor logged. The watcher's state is the run
+directory's, as everywhere: started again, it counts the recoveries already made.
 
 When the watcher replaces a host, the record it changes is the controller's; `open_job` here
 takes the provider's part of it from there (`refreshed`), so `speedrun ls | logs | kill` find the
-job where it now runs. `speedrun kill` and `speedrun down` stop the watcher first.
+job where it now runs, and the host keys the controller pinned for the job's hosts (`adopt_host_keys`:
+a replacement's key is learned there, on first contact). `speedrun kill` and `speedrun down` stop
+the watcher first.
 """
 from __future__ import annotations
 
@@ -35,16 +40,19 @@ import tempfile
 from pathlib import Path
 
 import speedrun
+from speedrun import files
 from speedrun.cluster import registry
 from speedrun.cluster.job import REACH_TIMEOUT_S, HostSetup, Job, Launch, TaskStatus
 from speedrun.cluster.providers import provider_from_record
 from speedrun.cluster.recovery import watch
-from speedrun.cluster.ssh import SSHOptions
+from speedrun.cluster.hosts import Host
+from speedrun.cluster.ssh import SSHHost, SSHOptions
 from speedrun.errors import SpeedrunError
 
 log = logging.getLogger("speedrun.cluster")
 WINDOW = "watch"  # the watcher's window on the controller
 WATCHERS = ".speedrun/watchers"  # under the controller's home: one directory per watched job
+CHECK_TIMEOUT_S = 120.0  # seconds for `speedrun watch --check` there: Python, boto3 and an AWS call or two
 
 
 def watcher_name(job: str) -> str:
@@ -52,10 +60,12 @@ def watcher_name(job: str) -> str:
     return f"{job}-watcher"
 
 
-def start_watcher(job: Job, host: str, ssh: SSHOptions | None, *, max_restarts: int, python: str = "python3") -> Job:
-    """Start `job`'s watcher on `host` (user@host[:port], reached with `ssh`), as the module says;
-    leaves one that runs there already alone. `job` must have been made and launched by this
-    process (its host setup and launch are what the watcher repeats). Returns the watcher's job."""
+def start_watcher(job: Job, host: str, ssh: SSHOptions | None, *, max_restarts: int, python: str = "python3",
+                  env: dict[str, str] | None = None) -> Job:
+    """Start `job`'s watcher on `host` (user@host[:port], reached with `ssh`) with `env` added to
+    its environment there, as the module says; leaves one that runs there already alone. `job`
+    must have been made and launched by this process (its host setup and launch are what the
+    watcher repeats). Returns the watcher's job; SpeedrunError when the watcher cannot work there."""
     from speedrun.cluster.lifecycle import make_job
     if job.launched is None or job.host_setup is None:
         raise SpeedrunError(f"job {job.name}: only the process that made and launched it can start its watcher")
@@ -68,11 +78,11 @@ def start_watcher(job: Job, host: str, ssh: SSHOptions | None, *, max_restarts: 
     else:
         base = f"{task.home}/{WATCHERS}/{job.name}"
         home = f"{base}/home"
-        record, files = job.provider.relocate(home)
+        record, copies = job.provider.relocate(home)
         original = job.provider.record()
         with tempfile.TemporaryDirectory() as d:  # mkdtemp's mode is 0700: the key is private here too
             staged = Path(d) / "home"
-            for relative, local in files.items():
+            for relative, local in copies.items():
                 (staged / relative).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(local, staged / relative)
             registry.save(dataclasses.replace(registry.load(job.name), provider=record, watcher=None), staged)
@@ -87,26 +97,52 @@ def start_watcher(job: Job, host: str, ssh: SSHOptions | None, *, max_restarts: 
         hs = job.host_setup
         if hs.sync is not None:
             task.host.put(hs.sync, f"{base}/code", exclude=hs.sync_exclude, mirror=True)
+        variables = {**(env or {}), "SPEEDRUN_HOME": home, "PYTHONPATH": f"{base}/src"}
+        try:
+            check_watcher(task, job.name, python, base, variables)
+        except SpeedrunError:
+            registry.forget(watcher.name)  # nothing runs there: no `JOB-watcher` to list
+            raise
         task.run(f"{python} -m speedrun watch {shlex.quote(job.name)}", background=True, name=WINDOW, cwd=base,
-                 env={"SPEEDRUN_HOME": home, "PYTHONPATH": f"{base}/src"})
+                 env=variables)
         log.info("job %s: its watcher runs on %s (speedrun logs %s)", job.name, task.host.name, watcher.name)
         job_record = registry.load(job.name)
         paths = sorted(k for k in record if record[k] != original.get(k))
-        registry.save(dataclasses.replace(job_record, watcher={"job": watcher.name, "home": home, "paths": paths}))
+        # The controller's known_hosts (relative to its home) and this machine's: adopt_host_keys.
+        registry.save(dataclasses.replace(job_record, watcher={"job": watcher.name, "home": home, "paths": paths,
+                                                               "known_hosts": str(copies["known_hosts"])}))
     registry.save(dataclasses.replace(registry.load(watcher.name), window=WINDOW))
     return watcher
 
 
-def watch_recorded(name: str) -> list[TaskStatus]:
+def check_watcher(task, name: str, python: str, base: str, env: dict[str, str]) -> None:
+    """Run `speedrun watch --check NAME` on the controller (`task`'s host) in `base` with `env`;
+    SpeedrunError with its error line when it fails there. The variables go in the script (ssh's
+    stdin), not on a command line that `ps` shows."""
+    exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items())
+    r = task.host.shell(f"{exports}cd {shlex.quote(base)} && exec {python} -m speedrun watch --check {shlex.quote(name)}",
+                        timeout=CHECK_TIMEOUT_S)
+    if r.returncode != 0:
+        lines = [ln for ln in r.stderr.splitlines() if ln.strip()] or [f"exit status {r.returncode}"]
+        why = lines[-1].removeprefix("speedrun: error: ")
+        raise SpeedrunError(f"job {name} runs, but its watcher cannot work on {task.host.name}: {why} (fix that and "
+                            f"run the same launch again: it reconnects and starts the watcher)")
+
+
+def watch_recorded(name: str, *, check: bool = False) -> list[TaskStatus]:
     """`speedrun watch NAME` on the controller: the job as recorded in this speedrun home, with the
-    launch and host setup of watch/NAME.json, watched until every task succeeded (recovery.watch)."""
+    launch and host setup of watch/NAME.json, watched until every task succeeded (recovery.watch).
+    With `check`, only whether that can start: the record read and the provider asked for the job's
+    machines (for aws: boto3, credentials and the endpoint); returns no states then."""
     from speedrun.cluster.lifecycle import open_job
     path = registry.speedrun_home() / "watch" / f"{name}.json"
     if not path.is_file():
         raise SpeedrunError(f"nothing says how to watch job {name!r} here ({path} is missing): `speedrun watch` "
                             f"runs on a controller that `speedrun launch ... --recover --watcher-host` prepared")
     spec = json.loads(path.read_text())
-    job = open_job(name)
+    job = open_job(name, probe=not check)
+    if check:
+        return []
     job.launched = Launch(**spec["launch"])
     hs = spec["host_setup"]
     code = path.parents[2] / "code"  # <base>/home/watch/<job>.json -> <base>/code
@@ -115,26 +151,62 @@ def watch_recorded(name: str) -> list[TaskStatus]:
     return watch(job, job.launched.name, max_restarts=spec["max_restarts"])
 
 
-def refreshed(rec: registry.JobRecord, config_dir: str | os.PathLike | None = None) -> registry.JobRecord:
+def refreshed(rec: registry.JobRecord, config_dir: str | os.PathLike | None = None) -> tuple[registry.JobRecord, str]:
     """A job's record with the provider's state as its controller keeps it (a watcher there may have
-    replaced hosts) and this machine's paths; saved here when it changed. The record as it is when
-    the job has no watcher elsewhere or the controller does not answer within seconds."""
+    replaced hosts) and this machine's paths, saved here when it changed; and the controller's
+    known_hosts text (for adopt_host_keys). The record as it is and "" when the job has no watcher
+    elsewhere or the controller does not answer within seconds."""
     w = rec.watcher
     if not w:
-        return rec
+        return rec, ""
+    cut = "--- speedrun: known_hosts ---"  # between the record and the pinned keys, in one round trip
     try:
         host = provider_from_record(registry.load(w["job"], config_dir).provider).hosts(1)[0]
-        remote_path = f"{w['home']}/jobs/{rec.name}.json"
-        r = host.shell(f"cat {shlex.quote(remote_path)}", timeout=REACH_TIMEOUT_S)
-        remote = json.loads(r.text)["provider"]
+        home = shlex.quote(w["home"])
+        r = host.shell(f"cat {home}/jobs/{shlex.quote(rec.name)}.json && echo {shlex.quote(cut)} && "
+                       f"cat {home}/known_hosts 2>/dev/null; true", timeout=REACH_TIMEOUT_S)
+        text, _, known_hosts = r.text.partition(f"{cut}\n")
+        remote = json.loads(text)["provider"]
     except (SpeedrunError, ValueError, KeyError) as e:
         log.debug("job %s: its controller's record is out of reach (%s); using this one", rec.name, e)
-        return rec
+        return rec, ""
     provider = {**remote, **{k: rec.provider[k] for k in w["paths"]}}
     if provider != rec.provider:
         rec = dataclasses.replace(rec, provider=provider)
         registry.save(rec, config_dir)
-    return rec
+    return rec, known_hosts
+
+
+def adopt_host_keys(rec: registry.JobRecord, hosts: list[Host], remote_known_hosts: str) -> None:
+    """Pin here the keys the controller pinned for the job's `hosts` (its known_hosts text), in place
+    of any this machine has for those names. The watcher learned a replacement's key on first
+    contact, as this machine would have; only the job's current hosts are taken, because the rest
+    of the controller's copy may be older than this machine's (AWS reuses addresses)."""
+    local = (rec.watcher or {}).get("known_hosts")
+    if not local or not remote_known_hosts:
+        return
+    names = {h.spec.host if h.spec.port in (None, 22) else f"[{h.spec.host}]:{h.spec.port}"
+             for h in hosts if isinstance(h, SSHHost)}
+    path = Path(local)
+    lines = path.read_text().splitlines() if path.exists() else []
+
+    def pinned(text: list[str]) -> dict[str, set[str]]:
+        """host name -> its keys ("type base64"), for the job's host names only."""
+        found: dict[str, set[str]] = {}
+        for line in text:
+            fields = line.split()
+            if len(fields) >= 3 and not line.startswith(("#", "@")):
+                for name in set(fields[0].split(",")) & names:
+                    found.setdefault(name, set()).add(" ".join(fields[1:3]))
+        return found
+    mine, theirs = pinned(lines), pinned(remote_known_hosts.splitlines())
+    changed = sorted(n for n in theirs if theirs[n] != mine.get(n))
+    if not changed:
+        return
+    kept = [ln for ln in lines if not (ln.split() and set(ln.split()[0].split(",")) & set(changed))]
+    files.write_text(path, "".join(f"{ln}\n" for ln in kept) +
+                     "".join(f"{n} {key}\n" for n in changed for key in sorted(theirs[n])))
+    log.info("job %s: pinned the host key(s) its watcher learned for %s", rec.name, ", ".join(changed))
 
 
 def stop_watcher(rec: registry.JobRecord, config_dir: str | os.PathLike | None = None, *,

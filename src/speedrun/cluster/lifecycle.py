@@ -222,10 +222,11 @@ def open_job(name: str, config_dir: str | os.PathLike | None = None, *, probe: b
     """The job `name` as recorded by make_job on this machine, to inspect, follow, attach to or kill.
 
     probe=False skips contacting the hosts (enough for status and kill; run and launch need it)."""
-    from speedrun.cluster.controller import refreshed
-    rec = refreshed(registry.load(name, config_dir), config_dir)  # a watcher elsewhere may have moved tasks
+    from speedrun.cluster.controller import adopt_host_keys, refreshed
+    rec, pinned = refreshed(registry.load(name, config_dir), config_dir)  # a watcher elsewhere may have moved tasks
     prov = provider_from_record(rec.provider)
     hosts_ = prov.hosts(rec.num_tasks)
+    adopt_host_keys(rec, hosts_, pinned)  # and met a replacement there first
     sessions = [f"{name}-{i}" for i in range(rec.num_tasks)]
 
     def task(i: int) -> Task:
