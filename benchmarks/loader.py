@@ -14,8 +14,8 @@ decoder, on as many threads as there are workers) is timed too. A last row times
 reading the resized copy the 2018 recipes use at that size (160 px copy for crops <= 128 px,
 352 px copy above), as training would. Then one core's share of each loader's work, in this
 process: the PIL loader's decode + crop against the GPU decode path's byte reading (what the CPUs
-still do when the GPU decodes); on CUDA, the GPU path's own rate and its agreement with PIL. Also: `prepare` throughput (images/s and per core) making
-160 and 352 px copies, and optionally (`--train`, CUDA) training images/s of a model fed from the
+still do when the GPU decodes); on CUDA, the GPU path's own rate and its agreement with PIL.
+Also: `prepare` throughput (images/s and per core) making 160 and 352 px copies, and optionally (`--train`, CUDA) training images/s of a model fed from the
 JPEGs by each of `--train-loaders` (pil: decode in the workers; gpu: the GPU decode path), next
 to the same model fed by one batch kept on the GPU (the synthetic rate, the model alone).
 
