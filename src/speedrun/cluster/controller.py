@@ -23,8 +23,8 @@ AWS_SHARED_CREDENTIALS_FILE; they are neither recorded nor logged. The watcher's
 directory's, as everywhere: started again, it counts the recoveries already made.
 
 When the watcher replaces a host, the record it changes is the controller's; `open_job` here
-takes the provider's part of it from there (`refreshed`), so `speedrun ls | logs | kill` find the
-job where it now runs, and the host keys the controller pinned for the job's hosts (`adopt_host_keys`:
+takes the provider's part of it from there (lifecycle.refreshed), so `speedrun ls | logs | kill` find the
+job where it now runs, and the host keys the controller pinned for the job's hosts (lifecycle.adopt_host_keys:
 a replacement's key is learned there, on first contact). `speedrun kill` and `speedrun down` stop
 the watcher first.
 """
@@ -40,13 +40,11 @@ import tempfile
 from pathlib import Path
 
 import speedrun
-from speedrun import files
 from speedrun.cluster import registry
-from speedrun.cluster.job import REACH_TIMEOUT_S, HostSetup, Job, Launch, TaskStatus
-from speedrun.cluster.providers import provider_from_record
+from speedrun.cluster.job import HostSetup, Job, Launch, TaskStatus
+from speedrun.cluster.lifecycle import make_job, open_job
 from speedrun.cluster.recovery import watch
-from speedrun.cluster.hosts import Host
-from speedrun.cluster.ssh import SSHHost, SSHOptions
+from speedrun.cluster.ssh import SSHOptions
 from speedrun.errors import SpeedrunError
 
 log = logging.getLogger("speedrun.cluster")
@@ -66,7 +64,6 @@ def start_watcher(job: Job, host: str, ssh: SSHOptions | None, *, max_restarts: 
     its environment there, as the module says; leaves one that runs there already alone. `job`
     must have been made and launched by this process (its host setup and launch are what the
     watcher repeats). Returns the watcher's job; SpeedrunError when the watcher cannot work there."""
-    from speedrun.cluster.lifecycle import make_job
     if job.launched is None or job.host_setup is None:
         raise SpeedrunError(f"job {job.name}: only the process that made and launched it can start its watcher")
     watcher = make_job(watcher_name(job.name), 1, provider="ssh", hosts=[host], ssh=ssh,
@@ -108,7 +105,7 @@ def start_watcher(job: Job, host: str, ssh: SSHOptions | None, *, max_restarts: 
         log.info("job %s: its watcher runs on %s (speedrun logs %s)", job.name, task.host.name, watcher.name)
         job_record = registry.load(job.name)
         paths = sorted(k for k in record if record[k] != original.get(k))
-        # The controller's known_hosts (relative to its home) and this machine's: adopt_host_keys.
+        # The controller's known_hosts (relative to its home) and this machine's: lifecycle.adopt_host_keys.
         registry.save(dataclasses.replace(job_record, watcher={"job": watcher.name, "home": home, "paths": paths,
                                                                "known_hosts": str(copies["known_hosts"])}))
     registry.save(dataclasses.replace(registry.load(watcher.name), window=WINDOW))
@@ -134,7 +131,6 @@ def watch_recorded(name: str, *, check: bool = False) -> list[TaskStatus]:
     launch and host setup of watch/NAME.json, watched until every task succeeded (recovery.watch).
     With `check`, only whether that can start: the record read and the provider asked for the job's
     machines (for aws: boto3, credentials and the endpoint); returns no states then."""
-    from speedrun.cluster.lifecycle import open_job
     path = registry.speedrun_home() / "watch" / f"{name}.json"
     if not path.is_file():
         raise SpeedrunError(f"nothing says how to watch job {name!r} here ({path} is missing): `speedrun watch` "
@@ -151,69 +147,10 @@ def watch_recorded(name: str, *, check: bool = False) -> list[TaskStatus]:
     return watch(job, job.launched.name, max_restarts=spec["max_restarts"])
 
 
-def refreshed(rec: registry.JobRecord, config_dir: str | os.PathLike | None = None) -> tuple[registry.JobRecord, str]:
-    """A job's record with the provider's state as its controller keeps it (a watcher there may have
-    replaced hosts) and this machine's paths, saved here when it changed; and the controller's
-    known_hosts text (for adopt_host_keys). The record as it is and "" when the job has no watcher
-    elsewhere or the controller does not answer within seconds."""
-    w = rec.watcher
-    if not w:
-        return rec, ""
-    cut = "--- speedrun: known_hosts ---"  # between the record and the pinned keys, in one round trip
-    try:
-        host = provider_from_record(registry.load(w["job"], config_dir).provider).hosts(1)[0]
-        home = shlex.quote(w["home"])
-        r = host.shell(f"cat {home}/jobs/{shlex.quote(rec.name)}.json && echo {shlex.quote(cut)} && "
-                       f"cat {home}/known_hosts 2>/dev/null; true", timeout=REACH_TIMEOUT_S)
-        text, _, known_hosts = r.text.partition(f"{cut}\n")
-        remote = json.loads(text)["provider"]
-    except (SpeedrunError, ValueError, KeyError) as e:
-        log.debug("job %s: its controller's record is out of reach (%s); using this one", rec.name, e)
-        return rec, ""
-    provider = {**remote, **{k: rec.provider[k] for k in w["paths"]}}
-    if provider != rec.provider:
-        rec = dataclasses.replace(rec, provider=provider)
-        registry.save(rec, config_dir)
-    return rec, known_hosts
-
-
-def adopt_host_keys(rec: registry.JobRecord, hosts: list[Host], remote_known_hosts: str) -> None:
-    """Pin here the keys the controller pinned for the job's `hosts` (its known_hosts text), in place
-    of any this machine has for those names. The watcher learned a replacement's key on first
-    contact, as this machine would have; only the job's current hosts are taken, because the rest
-    of the controller's copy may be older than this machine's (AWS reuses addresses)."""
-    local = (rec.watcher or {}).get("known_hosts")
-    if not local or not remote_known_hosts:
-        return
-    names = {h.spec.host if h.spec.port in (None, 22) else f"[{h.spec.host}]:{h.spec.port}"
-             for h in hosts if isinstance(h, SSHHost)}
-    path = Path(local)
-    lines = path.read_text().splitlines() if path.exists() else []
-
-    def pinned(text: list[str]) -> dict[str, set[str]]:
-        """host name -> its keys ("type base64"), for the job's host names only."""
-        found: dict[str, set[str]] = {}
-        for line in text:
-            fields = line.split()
-            if len(fields) >= 3 and not line.startswith(("#", "@")):
-                for name in set(fields[0].split(",")) & names:
-                    found.setdefault(name, set()).add(" ".join(fields[1:3]))
-        return found
-    mine, theirs = pinned(lines), pinned(remote_known_hosts.splitlines())
-    changed = sorted(n for n in theirs if theirs[n] != mine.get(n))
-    if not changed:
-        return
-    kept = [ln for ln in lines if not (ln.split() and set(ln.split()[0].split(",")) & set(changed))]
-    files.write_text(path, "".join(f"{ln}\n" for ln in kept) +
-                     "".join(f"{n} {key}\n" for n in changed for key in sorted(theirs[n])))
-    log.info("job %s: pinned the host key(s) its watcher learned for %s", rec.name, ", ".join(changed))
-
-
 def stop_watcher(rec: registry.JobRecord, config_dir: str | os.PathLike | None = None, *,
                  forget: bool = False) -> str | None:
     """Kill the job's watcher on its controller (and with `forget`, its record); a line saying what
     happened, None when the job has no watcher elsewhere."""
-    from speedrun.cluster.lifecycle import open_job
     if not rec.watcher or not registry.exists(rec.watcher["job"], config_dir):
         return None
     watcher = open_job(rec.watcher["job"], config_dir, probe=False)
