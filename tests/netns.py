@@ -281,6 +281,11 @@ class NetnsCluster:
             ip("link", "del", self._veth_root(host.index), check=False)
         self.hosts.remove(host)
 
+    def set_link(self, host: NetnsHost, up: bool) -> None:
+        """Cut (up=False) or restore a host's link to the network, as a partition would: its
+        processes keep running, unreachable meanwhile."""
+        ip("link", "set", self._veth_root(host.index), "up" if up else "down")
+
     def stop(self) -> None:
         """Stop every process in the namespaces, delete them and the links; idempotent."""
         if self.slot is None:

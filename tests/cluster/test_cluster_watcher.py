@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import stat
+from pathlib import Path
 
 import pytest
 
@@ -92,3 +93,71 @@ def test_a_watcher_on_a_controller_host_replaces_a_lost_host_and_the_job_finishe
 
     assert speedrun("down", job_name).returncode == 0
     assert speedrun("ls", f"{job_name}-watcher").returncode != 0  # forgotten with the job
+
+
+def waiting_script(tmp_path) -> str:
+    """A job command that runs until killed."""
+    script = tmp_path / "wait.py"
+    script.write_text("import time\nwhile True:\n    time.sleep(1)\n")
+    return str(script)
+
+
+def test_launch_restart_replaces_the_watcher_of_the_old_run(four_hosts, tmp_path, job_name):
+    controller, runs = four_hosts.controller, tmp_path / "runs"
+    launch = ["launch", job_name, *ssh_flags(four_hosts, four_hosts.hosts[:1]), "--run-root", str(runs),
+              "--recover", "--watcher-host", controller.spec, "--", waiting_script(tmp_path)]
+    assert speedrun(*launch).returncode == 0
+    base = controller.home / ".speedrun" / "watchers" / job_name
+    # Reconnected with another launch (more restarts): the watcher there repeats this one now.
+    r = speedrun(*launch[:-2], "--max-restarts", "5", *launch[-2:])
+    assert r.returncode == 0 and "reconnected" in r.stdout, r.stderr
+    assert json.loads((base / "home" / "watch" / f"{job_name}.json").read_text())["max_restarts"] == 5
+    assert state(f"{job_name}-watcher", "watch") == ["running"]
+
+    r = speedrun(*launch[:-2], "--restart", *launch[-2:])
+    assert r.returncode == 0, r.stderr
+    assert f"stopped its watcher on {controller.spec}" in r.stderr  # the old run's, before the new run started
+    new_run = next(line for line in r.stdout.splitlines() if "run dir" in line).split("run dir ")[1].split(":")[0]
+    assert sorted(str(p) for p in (runs / job_name).iterdir())[-1] == new_run
+    # The watcher there now watches the new run: what it holds names it.
+    held = json.loads((base / "home" / "jobs" / f"{job_name}.json").read_text())
+    assert held["run_dir"] == new_run
+    assert state(f"{job_name}-watcher", "watch") == ["running"]
+    r = speedrun("kill", job_name)  # and kill finds it: the record still names it
+    assert r.returncode == 0, r.stderr
+    assert f"stopped its watcher on {controller.spec}" in r.stdout
+    assert state(f"{job_name}-watcher", "watch") == ["killed"] and state(job_name, "train") == ["killed"]
+
+
+def test_a_watcher_that_cannot_be_stopped_keeps_down_from_ending_the_job(four_hosts, tmp_path, job_name):
+    controller = four_hosts.add_host(four_hosts.address(4))  # a controller of its own: it goes away here
+    job_host = four_hosts.hosts[0]
+    r = speedrun("launch", job_name, *ssh_flags(four_hosts, [job_host]), "--run-root", str(tmp_path / "runs"),
+                 "--recover", "--watcher-host", controller.spec, "--", waiting_script(tmp_path))
+    assert r.returncode == 0, r.stderr
+    four_hosts.remove_host(controller)  # out of reach: its watcher may still run, for all this side knows
+
+    r = speedrun("down", job_name)
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith(f"speedrun: error: job {job_name}: its watcher on "
+                                                             f"{controller.spec} could not be stopped"), r.stderr
+    assert "nothing of the job was removed" in r.stderr
+    assert state(job_name, "train") == ["running"]  # not ended: the watcher would start it again
+
+    r = speedrun("launch", job_name, *ssh_flags(four_hosts, [job_host]), "--run-root", str(tmp_path / "runs"),
+                 "--restart", "--", waiting_script(tmp_path))
+    assert r.returncode == 2 and "no new run was started" in r.stderr.splitlines()[-1]
+    assert state(job_name, "train") == ["running"]
+
+    r = speedrun("kill", job_name)  # the tasks are stopped, loudly not the watcher
+    assert r.returncode == 2
+    assert f"killed job {job_name} (1 of 1 task(s))" in r.stdout and "stopped its watcher" not in r.stdout
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("speedrun: error: ")]
+    assert f"its watcher on {controller.spec} could not be stopped" in line and "may start the job again" in line
+    assert state(job_name, "train") == ["killed"]
+    assert speedrun("ls", f"{job_name}-watcher").returncode == 0  # kept: only it lets a later kill stop the watcher
+
+    # The way out the line gives when that machine is gone for good: its watcher's record deleted.
+    Path(line.rsplit("delete ", 1)[1].rstrip(")")).unlink()
+    r = speedrun("down", job_name)
+    assert r.returncode == 0, r.stderr

@@ -12,6 +12,7 @@ import pytest
 from aws_relay import Relay
 from cli_run import speedrun, wait_for
 from speedrun.cluster import open_job
+from speedrun.cluster.registry import speedrun_home
 from speedrun.track import read_jsonl
 from test_cluster_aws import IMAGE, task_instance, two_zones
 from test_cluster_e2e import TRAIN
@@ -57,10 +58,8 @@ def flags(aws, host, endpoint: str, run_root: Path, tasks: int) -> list[str]:
 
 def test_a_controller_without_aws_credentials_is_one_line_and_no_watcher(aws, controller, tmp_path, job_name):
     host, endpoint, _, _ = controller
-    script = tmp_path / "wait.py"  # runs until killed
-    script.write_text("import time\nwhile True:\n    time.sleep(1)\n")
     r = speedrun("launch", job_name, *flags(aws, host, endpoint, tmp_path / "runs", 1), "--zone", aws.zone, "--",
-                 str(script))
+                 waiting(tmp_path))
     assert r.returncode == 2
     assert r.stderr.splitlines()[-1].startswith(f"speedrun: error: job {job_name} runs, but its watcher cannot "
                                                 f"work on {host.spec}: no AWS credentials found")
@@ -115,3 +114,46 @@ def test_a_watcher_on_a_controller_replaces_a_terminated_instance_through_the_aw
         assert files_holding(host.home, secret) == []
         assert all(secret not in out.stdout + out.stderr for out in (launched, r, logs))
     assert speedrun("down", job_name).returncode == 0
+
+
+def test_down_all_stops_the_watchers_first_and_removes_nothing_while_one_is_out_of_reach(aws, controller, tmp_path,
+                                                                                       job_name):
+    host, endpoint, credentials, _ = controller
+    r = speedrun("launch", job_name, *flags(aws, host, endpoint, tmp_path / "runs", 1), "--zone", aws.zone,
+                 "--watcher-env", f"AWS_SHARED_CREDENTIALS_FILE={credentials}", "--", waiting(tmp_path))
+    assert r.returncode == 0, r.stderr
+    watcher = f"{job_name}-watcher"
+    # A copy of the watcher's record, to look at it once `down --all` forgot it.
+    saved = tmp_path / "saved"
+    (saved / "jobs").mkdir(parents=True)
+    (saved / "jobs" / f"{watcher}.json").write_bytes((speedrun_home() / "jobs" / f"{watcher}.json").read_bytes())
+    instance = task_instance(aws, job_name, 0)["InstanceId"]
+
+    aws.cluster.set_link(host, up=False)  # the controller is out of reach; its watcher runs on
+    try:
+        r = speedrun("down", "--all", "--yes")
+    finally:
+        aws.cluster.set_link(host, up=True)
+    assert r.returncode == 2
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("speedrun: error: ")]
+    assert line.startswith(f"speedrun: error: job {job_name}: its watcher on {host.spec} could not be stopped")
+    assert "nothing in AWS was removed" in line
+    (reservation,) = aws.client().describe_instances(InstanceIds=[instance])["Reservations"]
+    assert reservation["Instances"][0]["State"]["Name"] == "running"
+    assert speedrun("ls", job_name).returncode == 0 and speedrun("ls", watcher).returncode == 0  # both kept
+
+    r = speedrun("down", "--all", "--yes")  # reachable again: the watcher stopped, then everything removed
+    assert r.returncode == 0, r.stderr
+    assert f"job {job_name}: stopped its watcher on {host.spec}" in r.stderr
+    # Not running there (the cut may have ended it already: it could not reach the instance either).
+    assert open_job(watcher, saved, probe=False).status("watch")[0].state in ("killed", "failed (2)")
+    (reservation,) = aws.client().describe_instances(InstanceIds=[instance])["Reservations"]
+    assert reservation["Instances"][0]["State"]["Name"] in ("shutting-down", "terminated")
+    assert speedrun("ls", job_name).returncode == 2 and speedrun("ls", watcher).returncode == 2
+
+
+def waiting(tmp_path: Path) -> str:
+    """A job command that runs until killed."""
+    script = tmp_path / "wait.py"
+    script.write_text("import time\nwhile True:\n    time.sleep(1)\n")
+    return str(script)

@@ -22,8 +22,13 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from speedrun.errors import EXIT_BAD_INPUT, EXIT_FAILED, SpeedrunError, stop_on_sigterm
+
+if TYPE_CHECKING:  # annotations only: the commands import the cluster modules when they run
+    from speedrun.cluster.job import Job
+    from speedrun.cluster.task import Result
 
 
 
@@ -267,12 +272,12 @@ def parse_env(items: list[str], option: str, *, show: bool = True) -> dict[str, 
     return env
 
 
-def wait_for_job(job, window: str, follow: bool) -> list:
+def wait_for_job(job: Job, window: str, follow: bool) -> list[Result]:
     """job.wait (which stops the other tasks once one fails) without raising; with follow, the logs
     are printed meanwhile, until every task's command has ended."""
     if not follow:
         return job.wait(window, check=False)
-    outcome: dict = {}
+    outcome: dict[str, Any] = {}
 
     def waiter() -> None:
         try:
@@ -361,20 +366,22 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 def cmd_kill(args: argparse.Namespace) -> int:
     from speedrun.cluster import registry
-    from speedrun.cluster.controller import stop_watcher
-    from speedrun.cluster.lifecycle import open_job
+    from speedrun.cluster.lifecycle import open_job, stop_watcher
 
+    # The watcher first: it would take the killed job for a failed one and start it again. The job
+    # is opened after it, so that the hosts it moved tasks to until then are the ones killed.
+    stopped = stop_watcher(registry.load(args.name))
     job = open_job(args.name, probe=False)
-    # The watcher first: it would take the killed job for a failed one and start it again.
-    watcher = stop_watcher(registry.load(args.name))
     unreachable = job.kill()
     for line in unreachable:
         print(f"speedrun: {line}", file=sys.stderr)
     killed = len(job) - len(unreachable)
     print(f"killed job {job.name} ({killed} of {len(job)} task(s)); its logs stay in {job.run_dir}")
-    if watcher:
-        print(f"  {watcher}")
-    return EXIT_BAD_INPUT if unreachable or (watcher and not watcher.startswith("stopped")) else 0
+    if stopped is not None and stopped.ok:
+        print(f"  {stopped.line}")
+    elif stopped is not None:
+        print(f"speedrun: error: {stopped.refusal(job.name, 'it may start the job again')}", file=sys.stderr)
+    return EXIT_BAD_INPUT if unreachable or (stopped is not None and not stopped.ok) else 0
 
 
 def cmd_watch(args: argparse.Namespace) -> int:
@@ -391,8 +398,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
 def cmd_down(args: argparse.Namespace) -> int:
     from speedrun.cluster import registry
-    from speedrun.cluster.controller import stop_watcher
-    from speedrun.cluster.lifecycle import open_job
+    from speedrun.cluster.lifecycle import open_job, stop_watcher
 
     show_progress()
     if args.all:
@@ -401,10 +407,13 @@ def cmd_down(args: argparse.Namespace) -> int:
         return down_all(args.region, args.yes)
     if not args.name:
         raise SpeedrunError("which job? speedrun down NAME (or --all)")
-    job = open_job(args.name, probe=False)
-    watcher = stop_watcher(registry.load(args.name), forget=True)
-    if watcher:
-        print(f"speedrun: {watcher}", file=sys.stderr)
+    rec = registry.load(args.name)
+    stopped = stop_watcher(rec, forget=True)
+    if stopped is not None and not stopped.ok:
+        raise SpeedrunError(stopped.refusal(rec.name, f"nothing of the job was removed, {DOWN_REFUSED}"))
+    if stopped is not None:
+        print(f"speedrun: {stopped.line}", file=sys.stderr)
+    job = open_job(args.name, probe=False)  # after the watcher: where it last moved the tasks
     released = job.provider.down()
     if not released:
         job.kill()  # machines that are not speedrun's stay; the job's sessions on them end
@@ -414,10 +423,16 @@ def cmd_down(args: argparse.Namespace) -> int:
     return 0
 
 
+# Why `down` removes nothing when a watcher could not be stopped.
+DOWN_REFUSED = "or that watcher would start the job again where speedrun no longer looks"
+
+
 def down_all(region: str | None, yes: bool) -> int:
     """Terminate and delete everything speedrun made in AWS, in the regions of recorded AWS jobs
-    and `region` (or the AWS configuration's), after confirmation."""
+    and `region` (or the AWS configuration's), after confirmation. The recorded jobs' watchers on
+    controller hosts are stopped first; if one cannot be, nothing is removed (exit status 2)."""
     from speedrun.cluster import aws, registry
+    from speedrun.cluster.lifecycle import stop_watcher
 
     records = [r for r in registry.load_all() if r.provider.get("kind") == "aws"]
     regions = {r.provider["config"]["region"] for r in records} | {aws.Session(region).region}
@@ -435,8 +450,21 @@ def down_all(region: str | None, yes: bool) -> int:
             if answer.strip() != "yes":
                 print("nothing was removed")
                 return EXIT_FAILED
-        for f in found:
-            aws.remove_everything(f)
+    # Every watcher before anything goes: one left running would see its tasks lost and start
+    # instances that no record tracks.
+    left = []
+    for r in records:
+        stopped = stop_watcher(r, forget=True)
+        if stopped is not None and not stopped.ok:
+            left.append(stopped.refusal(r.name, f"nothing in AWS was removed, {DOWN_REFUSED}"))
+        elif stopped is not None:
+            print(f"speedrun: job {r.name}: {stopped.line}", file=sys.stderr)
+    if left:
+        for line in left:
+            print(f"speedrun: error: {line}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    for f in found:
+        aws.remove_everything(f)
     for r in records:
         registry.forget(r.name)
     print(f"speedrun has nothing left in AWS ({', '.join(sorted(regions))})")

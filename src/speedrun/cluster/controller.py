@@ -6,8 +6,8 @@ that the job is still watched while your machine sleeps. `start_watcher` makes t
 job of its own, `<job>-watcher` (one task, the ssh provider, recorded here like any job), and
 puts under ~/.speedrun/watchers/<job>/ there:
 
-    src/speedrun/   speedrun's code as this machine runs it (the controller needs Python and the
-                    packages speedrun.cluster imports, boto3 for aws; not PyTorch)
+    src/speedrun/   speedrun's code as this machine runs it (the controller needs Python 3 and
+                    rich, which `python3 -m speedrun` imports, and boto3 for aws; not PyTorch)
     code/           the job's synced working tree, for the replacement hosts (with sync= only)
     home/           its speedrun home ($SPEEDRUN_HOME there): the job's record, whose paths point
                     at the key and pinned host keys copied beside it, and watch/<job>.json, what
@@ -33,7 +33,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import shlex
 import shutil
 import tempfile
@@ -41,7 +40,7 @@ from pathlib import Path
 
 import speedrun
 from speedrun.cluster import registry
-from speedrun.cluster.job import HostSetup, Job, Launch, TaskStatus
+from speedrun.cluster.job import REACH_TIMEOUT_S, HostSetup, Job, Launch, TaskStatus
 from speedrun.cluster.lifecycle import make_job, open_job
 from speedrun.cluster.recovery import watch
 from speedrun.cluster.ssh import SSHOptions
@@ -61,55 +60,79 @@ def watcher_name(job: str) -> str:
 def start_watcher(job: Job, host: str, ssh: SSHOptions | None, *, max_restarts: int, python: str = "python3",
                   env: dict[str, str] | None = None) -> Job:
     """Start `job`'s watcher on `host` (user@host[:port], reached with `ssh`) with `env` added to
-    its environment there, as the module says; leaves one that runs there already alone. `job`
-    must have been made and launched by this process (its host setup and launch are what the
-    watcher repeats). Returns the watcher's job; SpeedrunError when the watcher cannot work there."""
+    its environment there, as the module says. One that runs there already is left alone when it
+    watches this run with this launch, else replaced. `job` must have been made and launched by
+    this process (its host setup and launch are what the watcher repeats). Returns the watcher's
+    job; SpeedrunError when the watcher cannot work there."""
     if job.launched is None or job.host_setup is None:
         raise SpeedrunError(f"job {job.name}: only the process that made and launched it can start its watcher")
-    watcher = make_job(watcher_name(job.name), 1, provider="ssh", hosts=[host], ssh=ssh,
-                       run_root=f"{WATCHERS}/runs", python=python)
+
+    def make(restart: bool) -> Job:
+        return make_job(watcher_name(job.name), 1, provider="ssh", hosts=[host], ssh=ssh,
+                        run_root=f"{WATCHERS}/runs", python=python, restart=restart)
+    watcher = make(restart=False)
     task = watcher[0]
+    base = f"{task.home}/{WATCHERS}/{job.name}"
+    home = f"{base}/home"
+    spec = {"launch": dataclasses.asdict(job.launched), "max_restarts": max_restarts,
+            "host_setup": {**dataclasses.asdict(job.host_setup), "sync": job.host_setup.sync is not None}}
     running = task.command(WINDOW)
     if running is not None and running.state() == "running":
-        log.info("job %s: its watcher already runs on %s; left as it is", job.name, task.host.name)
-    else:
-        base = f"{task.home}/{WATCHERS}/{job.name}"
-        home = f"{base}/home"
-        record, copies = job.provider.relocate(home)
-        original = job.provider.record()
-        with tempfile.TemporaryDirectory() as d:  # mkdtemp's mode is 0700: the key is private here too
-            staged = Path(d) / "home"
-            for relative, local in copies.items():
-                (staged / relative).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(local, staged / relative)
-            registry.save(dataclasses.replace(registry.load(job.name), provider=record, watcher=None), staged)
-            spec = {"launch": dataclasses.asdict(job.launched), "max_restarts": max_restarts,
-                    "host_setup": {**dataclasses.asdict(job.host_setup), "sync": job.host_setup.sync is not None}}
-            (staged / "watch").mkdir()
-            (staged / "watch" / f"{job.name}.json").write_text(json.dumps(spec, indent=2))
-            for p in [staged, *staged.rglob("*")]:
-                p.chmod(0o700 if p.is_dir() else 0o600)  # rsync and tar keep the modes there
-            task.host.put(staged, home, mirror=True)
-        task.host.put(Path(speedrun.__file__).parent, f"{base}/src/speedrun", exclude=("__pycache__",), mirror=True)
-        hs = job.host_setup
-        if hs.sync is not None:
-            task.host.put(hs.sync, f"{base}/code", exclude=hs.sync_exclude, mirror=True)
-        variables = {**(env or {}), "SPEEDRUN_HOME": home, "PYTHONPATH": f"{base}/src"}
-        try:
-            check_watcher(task, job.name, python, base, variables)
-        except SpeedrunError:
-            registry.forget(watcher.name)  # nothing runs there: no `JOB-watcher` to list
-            raise
-        task.run(f"{python} -m speedrun watch {shlex.quote(job.name)}", background=True, name=WINDOW, cwd=base,
-                 env=variables)
-        log.info("job %s: its watcher runs on %s (speedrun logs %s)", job.name, task.host.name, watcher.name)
-        job_record = registry.load(job.name)
-        paths = sorted(k for k in record if record[k] != original.get(k))
-        # The controller's known_hosts (relative to its home) and this machine's: lifecycle.adopt_host_keys.
-        registry.save(dataclasses.replace(job_record, watcher={"job": watcher.name, "home": home, "paths": paths,
-                                                               "known_hosts": str(copies["known_hosts"])}))
+        if watches(job.name, task, home, spec):
+            log.info("job %s: its watcher already runs on %s; left as it is", job.name, task.host.name)
+            registry.save(dataclasses.replace(registry.load(watcher.name), window=WINDOW))
+            return watcher
+        # Left running, it would fight this run: take its sessions for lost tasks and start them again.
+        log.info("job %s: the watcher on %s watches another run or launch; it is replaced", job.name, task.host.name)
+        watcher = make(restart=True)  # a new session there: the old watcher ends with its own
+        task = watcher[0]
+    record, copies = job.provider.relocate(home)
+    original = job.provider.record()
+    with tempfile.TemporaryDirectory() as d:  # mkdtemp's mode is 0700: the key is private here too
+        staged = Path(d) / "home"
+        for relative, local in copies.items():
+            (staged / relative).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(local, staged / relative)
+        registry.save(dataclasses.replace(registry.load(job.name), provider=record, watcher=None), staged)
+        (staged / "watch").mkdir()
+        (staged / "watch" / f"{job.name}.json").write_text(json.dumps(spec, indent=2))
+        for p in [staged, *staged.rglob("*")]:
+            p.chmod(0o700 if p.is_dir() else 0o600)  # rsync and tar keep the modes there
+        task.host.put(staged, home, mirror=True)
+    task.host.put(Path(speedrun.__file__).parent, f"{base}/src/speedrun", exclude=("__pycache__",), mirror=True)
+    hs = job.host_setup
+    if hs.sync is not None:
+        task.host.put(hs.sync, f"{base}/code", exclude=hs.sync_exclude, mirror=True)
+    variables = {**(env or {}), "SPEEDRUN_HOME": home, "PYTHONPATH": f"{base}/src"}
+    try:
+        check_watcher(task, job.name, python, base, variables)
+    except SpeedrunError:
+        registry.forget(watcher.name)  # nothing runs there: no `JOB-watcher` to list
+        raise
+    task.run(f"{python} -m speedrun watch {shlex.quote(job.name)}", background=True, name=WINDOW, cwd=base,
+             env=variables)
+    log.info("job %s: its watcher runs on %s (speedrun logs %s)", job.name, task.host.name, watcher.name)
+    job_record = registry.load(job.name)
+    paths = sorted(k for k in record if record[k] != original.get(k))
+    # The controller's known_hosts (relative to its home) and this machine's: lifecycle.adopt_host_keys.
+    registry.save(dataclasses.replace(job_record, watcher={"job": watcher.name, "home": home, "paths": paths,
+                                                           "known_hosts": str(copies["known_hosts"])}))
     registry.save(dataclasses.replace(registry.load(watcher.name), window=WINDOW))
     return watcher
+
+
+def watches(name: str, task, home: str, spec: dict) -> bool:
+    """Whether the watcher running on `task`'s host for job `name`, its speedrun home there `home`,
+    watches the job's current run with `spec`: this machine's record still names it (a new run's
+    record does not) and the spec it repeats there is this one."""
+    rec = registry.load(name)
+    if not rec.watcher or rec.watcher.get("home") != home:
+        return False
+    r = task.host.shell(f"cat {shlex.quote(home)}/watch/{shlex.quote(name)}.json", timeout=REACH_TIMEOUT_S)
+    try:
+        return r.returncode == 0 and json.loads(r.text) == json.loads(json.dumps(spec))
+    except ValueError:  # a damaged spec there: watching nothing this side knows
+        return False
 
 
 def check_watcher(task, name: str, python: str, base: str, env: dict[str, str]) -> None:
@@ -145,19 +168,3 @@ def watch_recorded(name: str, *, check: bool = False) -> list[TaskStatus]:
     job.host_setup = HostSetup(hs["tmux_socket"], hs["host_dir"], code if hs["sync"] else None,
                                tuple(hs["sync_exclude"]), hs["setup"])
     return watch(job, job.launched.name, max_restarts=spec["max_restarts"])
-
-
-def stop_watcher(rec: registry.JobRecord, config_dir: str | os.PathLike | None = None, *,
-                 forget: bool = False) -> str | None:
-    """Kill the job's watcher on its controller (and with `forget`, its record); a line saying what
-    happened, None when the job has no watcher elsewhere."""
-    if not rec.watcher or not registry.exists(rec.watcher["job"], config_dir):
-        return None
-    watcher = open_job(rec.watcher["job"], config_dir, probe=False)
-    where = watcher[0].host.name
-    unreachable = watcher.kill()
-    if forget:
-        registry.forget(watcher.name, config_dir)
-    if unreachable:
-        return f"its watcher on {where} could not be stopped: {unreachable[0]}"
-    return f"stopped its watcher on {where}"

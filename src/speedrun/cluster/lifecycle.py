@@ -138,6 +138,9 @@ def make_job(name: str, num_tasks: int = 1, *, provider: str | Provider = "local
         job = Job(name, tasks, tasks[0].run_dir, prov, python=python, reconnected=True, host_setup=hs)
         log.info("job %s is running (%s); reconnected without changing it", name, job.run_dir)
     else:
+        # A watcher elsewhere still watching the old run would take the new one's sessions for its
+        # own lost tasks and start them again; the new run's record has no watcher.
+        stop_watcher_for_new_run(name, config_dir)
         root = resolve(run_root, probes[0].home, hosts_[0].is_local)
         if len({h.key for h in hosts_}) > 1 and not posixpath.isabs(run_root):
             log.warning("run_root %r is relative, so each host has its own %s; give a path on storage "
@@ -153,6 +156,26 @@ def make_job(name: str, num_tasks: int = 1, *, provider: str | Provider = "local
 
     save_record(job, config_dir)
     return job
+
+
+def recorded(name: str, config_dir: str | os.PathLike | None = None) -> registry.JobRecord | None:
+    """Job `name`'s record here; None when there is none or it is damaged (it is written anew)."""
+    try:
+        return registry.load(name, config_dir) if registry.exists(name, config_dir) else None
+    except SpeedrunError:
+        return None
+
+
+def stop_watcher_for_new_run(name: str, config_dir: str | os.PathLike | None = None) -> None:
+    """Stop and forget the recorded watcher of job `name` before a new run of it starts;
+    SpeedrunError, with nothing started, when it could not be stopped."""
+    rec = recorded(name, config_dir)
+    stopped = stop_watcher(rec, config_dir, forget=True) if rec is not None else None
+    if stopped is not None and stopped.ok:
+        log.info("job %s: %s (a new run starts)", name, stopped.line)
+    elif stopped is not None:
+        raise SpeedrunError(stopped.refusal(name, "no new run was started, since that watcher would start "
+                                                  "the old one again in its place"))
 
 
 def setup_mark_of(hs: HostSetup, job: str) -> str:
@@ -184,10 +207,7 @@ def start_tasks(tasks: Sequence[Task], job: str, hs: HostSetup, setup_hashes: Se
 def save_record(job: Job, config_dir: str | os.PathLike | None = None) -> None:
     """Record the job (again, after a host was replaced) so that the CLI finds it."""
     hs = job.host_setup
-    try:  # the same run keeps its watcher elsewhere (controller.py), whoever records it again
-        old = registry.load(job.name, config_dir) if registry.exists(job.name, config_dir) else None
-    except SpeedrunError:
-        old = None
+    old = recorded(job.name, config_dir)  # the same run keeps its watcher elsewhere (controller.py)
     registry.save(registry.JobRecord(
         name=job.name, num_tasks=len(job), provider=job.provider.record(), run_dir=job.run_dir,
         cwd=None if hs is None or hs.sync is None else posixpath.join(hs.host_dir.rstrip("/"), "code", job.name),
@@ -305,3 +325,37 @@ def adopt_host_keys(rec: registry.JobRecord, hosts: list[Host], remote_known_hos
     files.write_text(path, "".join(f"{ln}\n" for ln in kept) +
                      "".join(f"{n} {key}\n" for n in changed for key in sorted(theirs[n])))
     log.info("job %s: pinned the host key(s) its watcher learned for %s", rec.name, ", ".join(changed))
+
+
+@dataclass(frozen=True)
+class WatcherStop:
+    """What stop_watcher did: `ok` when the watcher is known to be stopped, and a line saying so
+    (or why it could not be); `record`, the watcher's record on this machine."""
+
+    ok: bool
+    line: str
+    record: Path
+
+    def refusal(self, job: str, consequence: str) -> str:
+        """The one line for a command that did not go on because job `job`'s watcher could not be
+        stopped (`consequence`: what was left undone and why), with the ways out."""
+        return (f"job {job}: {self.line}; {consequence}: run this again once that host answers (if it is gone "
+                f"for good, so is the watcher: delete {self.record})")
+
+
+def stop_watcher(rec: registry.JobRecord, config_dir: str | os.PathLike | None = None, *,
+                 forget: bool = False) -> WatcherStop | None:
+    """Kill the job's watcher on its controller (controller.py) and, with `forget`, once it is
+    stopped, its record; None when the job has no watcher elsewhere. One that could not be reached
+    keeps its record: it may still run there, and only that record lets a later call stop it."""
+    if not rec.watcher or not registry.exists(rec.watcher["job"], config_dir):
+        return None
+    watcher = open_job(rec.watcher["job"], config_dir, probe=False)
+    where = watcher[0].host.name
+    record = registry.speedrun_home(config_dir) / "jobs" / f"{watcher.name}.json"
+    unreachable = watcher.kill()
+    if unreachable:
+        return WatcherStop(False, f"its watcher on {where} could not be stopped ({unreachable[0]})", record)
+    if forget:
+        registry.forget(watcher.name, config_dir)
+    return WatcherStop(True, f"stopped its watcher on {where}", record)
