@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from cli_run import speedrun
 from speedrun.cli import main
 
 
@@ -85,3 +86,14 @@ def test_a_watcher_host_that_cannot_work_is_one_line_before_anything_starts(flag
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"speedrun: error: {message}") and "\n" not in err
     assert "s3cr3t" not in err  # a value given for the controller is never printed
+
+
+def test_ls_reads_a_failed_log_with_carriage_returns_as_log_lines(local_job):
+    # A progress bar redraws with '\r': what follows one is still the log's, never a field of
+    # the status (`now=` here, which ls reads as a number).
+    job = local_job()
+    job[0].run("printf 'epoch 1/2 [###   ]\\rnow=soon\\nboom: the reason\\n'; exit 1", name="train", check=False)
+    r = speedrun("ls", job.name)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[1].split()[:5] == [job.name, "0", "local", "failed", "(1)"]
+    assert f"{job.name} task 0" not in r.stdout  # reachable: no error line

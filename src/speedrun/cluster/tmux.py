@@ -293,7 +293,9 @@ fi
 # end of its log, where the reason is.
 echo "ended=$(stat -c %.3Y "$d/status")"
 [ -s "$d/stopped" ] && {{ read -r w < "$d/stopped"; echo "stopped=$w"; }}
-[ "$s" = 0 ] || tail -n {LOG_TAIL_LINES} "$d/log" 2>/dev/null | sed 's/^/logline=/'""")
+# A carriage return (a progress bar's redraw) becomes a line break before each line is prefixed:
+# parse_fields splits at both, and a piece after a bare one would otherwise be read as a field.
+[ "$s" = 0 ] || tail -n {LOG_TAIL_LINES} "$d/log" 2>/dev/null | tr '\\r' '\\n' | sed 's/^/logline=/'""")
 
 
 def stop_command(cmd_dir: str, grace_s: float = 10.0, reason: str | None = None) -> str:
