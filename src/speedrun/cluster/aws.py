@@ -548,8 +548,11 @@ class AWSProvider(Provider):
                 order = zones or ([c.zone] if c.zone else s.zones())
                 if other_zones and not c.zone:
                     order += [z for z in s.zones() if z not in order]
+                # The group's zone: that of an instance in it, by its tag or, for instances launched
+                # before the tag existed, by the group AWS reports for them.
                 group_zone = next((inst["Placement"]["AvailabilityZone"] for inst in by_task.values()
-                                   if tag_value(inst, GROUP_TAG)), None)
+                                   if tag_value(inst, GROUP_TAG)
+                                   or inst["Placement"].get("GroupName") == self.placement_group_name), None)
                 new = self.launch_instances(missing, order, net, key_name, group_zone)
                 launched = [inst["InstanceId"] for inst in new]
                 by_task.update(zip(missing, new))
