@@ -17,36 +17,52 @@
 #      MLPerf v4.0's pace per H200) and the projected time of each ImageNet schedule on 8 such
 #      GPUs                                                             -> gpu-check-summary.json
 # Results go to $OUT when set (the device tool's output folder), else benchmarks/results/gpu-check.
+#
+# GPU_CHECK_SMOKE=1 runs every step on the CPU with a tiny model, small sizes and few images, in
+# about a minute: it checks the script itself (each step's JSON and the summary and projection read
+# from them), never the speed. tests/test_gpu_check.py runs it, so the device's scarce minutes are
+# not lost to a broken script.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-benchmarks/results/gpu-check}
 mkdir -p "$out"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 workers=$(nproc)
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
+failed=()
+if [ "${GPU_CHECK_SMOKE:-0}" = 1 ]; then
+    model=resnet-fmnist-tiny sizes=(32 40 48) batches=(16 16 16) steps=2 warmup=1
+    images=200 classes=4 feed_batch=16 workers=2 feed_warmup=2 feed_batches=2 train_steps=2 device=cpu
+    echo "cpu (GPU_CHECK_SMOKE: a check of the script alone)" | tee "$out/device.txt"
+else
+    model=resnet50 sizes=(128 224 288) batches=(256 256 192) steps=25 warmup=8
+    images=12000 classes=100 feed_batch=256 feed_warmup=$((2 * workers + 4)) feed_batches=40 train_steps=40 device=cuda
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
+fi
 python3 -c "import torch, torchvision; print('torch', torch.__version__, 'torchvision', torchvision.__version__)" \
     | tee -a "$out/device.txt"
 
 echo "== 1. step settings, synthetic data (150 s at most)"
-timeout -k 10 150 python3 benchmarks/throughput.py --model resnet50 --sizes 128 224 288 --batch 256 256 192 \
-    --steps 25 --warmup 8 --variants baseline speedrun no-bf16 no-channels-last no-fused no-autotune \
-    --json "$out/gpu-check-step.json" 2>&1 | tee "$out/step.txt"
+timeout -k 10 150 python3 benchmarks/throughput.py --model $model --sizes "${sizes[@]}" --batch "${batches[@]}" \
+    --steps $steps --warmup $warmup --variants baseline speedrun no-bf16 no-channels-last no-fused no-autotune \
+    --json "$out/gpu-check-step.json" 2>&1 | tee "$out/step.txt" || failed+=(1)
 
-echo "== 2. torch.compile at 224 px (100 s at most)"
-timeout -k 10 100 python3 benchmarks/throughput.py --model resnet50 --sizes 224 --batch 256 --steps 25 --warmup 8 \
-    --variants speedrun +compile --json "$out/gpu-check-compile.json" 2>&1 | tee "$out/compile.txt"
+echo "== 2. torch.compile at ${sizes[1]} px (100 s at most)"
+timeout -k 10 100 python3 benchmarks/throughput.py --model $model --sizes "${sizes[1]}" --batch "${batches[1]}" \
+    --steps $steps --warmup $warmup \
+    --variants speedrun +compile --json "$out/gpu-check-compile.json" 2>&1 | tee "$out/compile.txt" || failed+=(2)
 
 echo "== 3. fed from JPEGs: PIL loader vs the GPU decode path (180 s at most)"
-timeout -k 10 180 python3 benchmarks/loader.py --images 12000 --classes 100 --sizes 128 224 288 --batch 256 \
-    --workers "$workers" --warmup $((2 * workers + 4)) --batches 40 --no-prepare \
-    --train resnet50 --train-first --train-loaders pil gpu --train-steps 40 --json "$out/gpu-check-feed.json" 2>&1 | tee "$out/feed.txt"
+timeout -k 10 180 python3 benchmarks/loader.py --images $images --classes $classes --sizes "${sizes[@]}" \
+    --batch $feed_batch --workers "$workers" --warmup $feed_warmup --batches $feed_batches --no-prepare \
+    --train $model --train-device $device --train-first --train-loaders pil gpu --train-steps $train_steps \
+    --json "$out/gpu-check-feed.json" 2>&1 | tee "$out/feed.txt" || failed+=(3)
 
 echo "== 4. goals and projection"
-timeout 20 python3 - "$out" <<'EOF' | tee "$out/summary.txt"
+timeout 20 python3 - "$out" "${sizes[1]}" <<'EOF' | tee "$out/summary.txt"
 import json, sys
 from pathlib import Path
 
-out = Path(sys.argv[1])
+out, goal_size = Path(sys.argv[1]), int(sys.argv[2])  # MLPerf's pace is at 224 px
 device = (out / "device.txt").read_text().split(",")[0].strip()
 summary = {"device": device, "images_per_s": {}, "goals": {}}
 feed = out / "gpu-check-feed.json"
@@ -64,11 +80,18 @@ if feed.exists():
 step = out / "gpu-check-step.json"
 if step.exists():
     for row in json.loads(step.read_text())["rows"]:
-        if row["size"] == 224:
-            summary["goals"]["224px_synthetic_>=7800"] = row["images_per_s"]["speedrun"] >= 7800
+        if row["size"] == goal_size:
+            summary["goals"][f"{goal_size}px_synthetic_>=7800"] = row["images_per_s"]["speedrun"] >= 7800
 print(json.dumps(summary, indent=2))
 (out / "gpu-check-summary.json").write_text(json.dumps(summary, indent=2))
 EOF
+[ "${PIPESTATUS[0]}" = 0 ] || failed+=(4)
 if [ -s "$out/gpu-check-summary.json" ] && ! grep -q '"images_per_s": {}' "$out/gpu-check-summary.json"; then
-    timeout 20 python3 -m speedrun recipes --project "$out/gpu-check-summary.json" --gpus 8 2>&1 | tee "$out/projection.txt"
+    timeout 20 python3 -m speedrun recipes --project "$out/gpu-check-summary.json" --gpus 8 2>&1 \
+        | tee "$out/projection.txt" || failed+=(projection)
+fi
+# A step that failed or ran out of time leaves the others their results, and is named here.
+if [ ${#failed[@]} -gt 0 ]; then
+    echo "gpu_check: step(s) ${failed[*]} failed or ran out of time; their logs are in $out" >&2
+    exit 1
 fi
