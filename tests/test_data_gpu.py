@@ -13,8 +13,9 @@ from PIL import Image
 from speedrun.data import augment
 from speedrun.data.augment import crop_resize_flip, crop_resize_flip_ragged, random_crop_boxes
 from speedrun.data.base import Shard
+from speedrun.data import gpu
 from speedrun.data.gpu import GpuDecodeTrainStream, gpu_unsupported
-from speedrun.data.imagefolder import ImageFolderSource
+from speedrun.data.imagefolder import ImageFolderSource, resolve_loader
 from speedrun.errors import SpeedrunError
 from speedrun.recipe import Phase
 from test_data_helpers import make_tree, train_from_cli, write_jpeg
@@ -141,6 +142,32 @@ def test_the_stream_class_and_auto_on_the_cpu(tree):
     source = ImageFolderSource(tree, workers=0, device=CPU, loader="gpu")
     assert isinstance(source.train_stream(PHASE, Shard(), 0), GpuDecodeTrainStream)
     assert ImageFolderSource(tree, workers=0, device=CPU).loader == "pil"  # auto picks the GPU path on CUDA only
+
+
+def test_a_device_torchvision_cannot_decode_on_is_one_clear_error_or_pil_for_auto(tree, monkeypatch):
+    def no_nvjpeg(files, device):
+        raise RuntimeError("decode_jpegs_cuda: torchvision not compiled with nvJPEG support")
+
+    monkeypatch.setattr(gpu, "_decode", no_nvjpeg)
+    with pytest.raises(SpeedrunError, match="--loader gpu: torchvision cannot decode JPEGs on cpu: .*nvJPEG"):
+        ImageFolderSource(tree, workers=0, device=CPU, loader="gpu")
+    cuda = torch.device("cuda")  # no CUDA is used: the decoder is the one above
+    assert resolve_loader("auto", cuda) == "pil"  # rather than every file falling back, one by one
+    monkeypatch.undo()
+    monkeypatch.setattr(gpu, "decoder_problem", lambda device: None)
+    assert resolve_loader("auto", cuda) == "gpu"
+
+
+def test_running_out_of_device_memory_is_raised_not_hidden_as_cpu_fallbacks(tree, monkeypatch):
+    source = ImageFolderSource(tree, workers=0, device=CPU, loader="gpu")
+
+    def out_of_memory(files, device):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(gpu, "_decode", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        _batches(source, 0)
+    assert source.cpu_fallbacks() == 0 and source.skipped_images()["failures"] == 0
 
 
 def test_an_epoch_left_midway_ends_its_decode_thread_and_the_next_epoch_is_whole(tree):

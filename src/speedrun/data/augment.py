@@ -134,8 +134,8 @@ def _canvas_crops(images: list[torch.Tensor], boxes: torch.Tensor, windows: list
     numel = [c * h * w for c, h, w in shapes]
     starts = [0, *itertools.accumulate(numel)][:-1]
     rows = []
-    for k, i in enumerate(group):
-        (_, ih, iw), (bx1, by1, bx2, by2) = shapes[k], boxes[i].tolist()
+    for k, (bx1, by1, bx2, by2) in enumerate(boxes[group.start : group.stop].tolist()):
+        i, (_, ih, iw) = group[k], shapes[k]
         rows.append([place[k][0], place[k][1], windows[i][0], windows[i][1], windows[i][3], ih, iw, starts[k],
                      -1 if bx1 > -EDGE else 0, iw if bx2 < iw + EDGE else iw - 1,
                      -1 if by1 > -EDGE else 0, ih if by2 < ih + EDGE else ih - 1])

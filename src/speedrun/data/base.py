@@ -39,11 +39,12 @@ class Shard:
 
 
 @dataclass
-class BadImages:
-    """Files that failed to decode while training or evaluating (path -> reason)."""
+class CountedFiles:
+    """Files met while training or evaluating that something happened to (path -> reason): the
+    images skipped as undecodable (the default), or those the GPU decode path decoded on the CPU."""
 
     files: dict[str, str] = field(default_factory=dict)
-    count: int = 0  # decode failures, counting repeats (a bad file fails every epoch)
+    count: int = 0  # occurrences, counting repeats (a bad file fails every epoch)
     what: str = "skipping unreadable image"  # the warning logged once per file
 
     def add(self, found: list[tuple[str, str]]) -> None:

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from speedrun.data.base import BadImages, Batch, Shard, epoch_permutation, rank_indices
+from speedrun.data.base import CountedFiles, Batch, Shard, epoch_permutation, rank_indices
 from speedrun.data.index import Split
 from speedrun.errors import SpeedrunError, one_line
 from speedrun.recipe import Phase
@@ -82,11 +82,11 @@ class DaliTrainStream:
     """Training batches decoded by DALI on `device` (CUDA or CPU); see `data.base.TrainStream`.
 
     threads: DALI's CPU threads (file handling on CUDA, the whole decode on the CPU). bad: where
-    undecodable files are recorded (`data.base.BadImages`).
+    undecodable files are recorded (`data.base.CountedFiles`).
     """
 
     def __init__(self, root: Path, split: Split, phase: Phase, shard: Shard, seed: int,
-                 batch_size: int, device: torch.device, threads: int, bad: BadImages):
+                 batch_size: int, device: torch.device, threads: int, bad: CountedFiles):
         if phase.translate:
             raise ValueError("DALI's random crop has no translation (the phase's translate); the PIL loader has")
         self.root, self.split, self.phase = root, split, phase

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from speedrun.data.augment import crop_resize_flip_ragged
-from speedrun.data.base import BadImages, Batch, Shard, host_to_device
+from speedrun.data.base import CountedFiles, Batch, Shard, host_to_device
 from speedrun.data.loading import MAX_SUBSTITUTES, ImageFolderTrainStream, LoaderOptions, shared_buffer
 from speedrun.data.index import Split
 from speedrun.data.transforms import crop_params, open_image
@@ -194,11 +194,23 @@ def _decode(files: list[torch.Tensor], device: torch.device) -> list[torch.Tenso
         return decode_jpeg(files, mode=ImageReadMode.RGB, device=device)
 
 
+def decoder_problem(device: torch.device) -> str | None:
+    """Why torchvision cannot decode JPEGs on `device` (a build without nvJPEG, a driver it cannot
+    use), or None when it can: found by decoding one 8 x 8 image there."""
+    from torchvision.io import encode_jpeg
+
+    try:
+        _decode([encode_jpeg(torch.zeros(3, 8, 8, dtype=torch.uint8))], device)
+    except RuntimeError as e:
+        return one_line(e)
+    return None
+
+
 class GpuDecodeTrainStream(ImageFolderTrainStream):
     """Training batches decoded on `device` (see the module docstring); a `data.base.TrainStream`.
 
-    bad: where undecodable files are recorded; cpu_decoded: where files decoded on the CPU
-    rather than the device are (both `data.base.BadImages`).
+    bad: where undecodable files are counted; cpu_decoded: where files decoded on the CPU rather
+    than the device are (both `data.base.CountedFiles`).
 
     A thread of the stream's own prepares each batch (decode, crop) one batch ahead: torchvision's
     decoder makes the calling thread wait until the batch is decoded, and the training loop must
@@ -207,7 +219,7 @@ class GpuDecodeTrainStream(ImageFolderTrainStream):
     """
 
     def __init__(self, reader: ByteReader, shard: Shard, seed: int, batch_size: int, options: LoaderOptions,
-                 device: torch.device, bad: BadImages, cpu_decoded: BadImages):
+                 device: torch.device, bad: CountedFiles, cpu_decoded: CountedFiles):
         # Bytes stay in (shared) pageable memory: nvJPEG copies them to the GPU itself.
         super().__init__(reader, shard, seed, batch_size, replace(options, pin_memory=False), bad)
         self.reader, self.device, self.cpu_decoded = reader, device, cpu_decoded
@@ -310,6 +322,8 @@ class GpuDecodeTrainStream(ImageFolderTrainStream):
         try:
             for i, image in zip(todo, self._decode_on_device([files[i] for i in todo]) if todo else []):
                 images[i] = image
+        except torch.OutOfMemoryError:  # not the files' fault: no fallback hides it
+            raise
         except RuntimeError:  # a file the header check let through: find it
             for i in todo:
                 images[i] = self._decode_one(files[i], str(self.reader.root / self.reader.split.path(encoded.rows[i])))
@@ -335,8 +349,12 @@ class GpuDecodeTrainStream(ImageFolderTrainStream):
     def _decode_one(self, data: torch.Tensor, path: str) -> torch.Tensor | None:
         """One file on the device, else on the CPU (counted in `cpu_decoded`); None (counted as
         bad) when no decoder reads it."""
-        with contextlib.suppress(RuntimeError):
+        try:
             return self._decode_on_device([data])[0]
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError:
+            pass
         if self.device.type != "cpu":
             with contextlib.suppress(RuntimeError):
                 image = host_to_device(_decode([data], torch.device("cpu"))[0], self.device)

@@ -31,7 +31,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from speedrun.data import LOADERS
-from speedrun.data.base import BadImages, Batch, Shard, TrainStream, split_batches_contiguously
+from speedrun.data.base import CountedFiles, Batch, Shard, TrainStream, split_batches_contiguously
 from speedrun.data.index import Index, Split, load_index
 from speedrun.data.loading import (
     MAX_SUBSTITUTES,
@@ -146,6 +146,23 @@ def _sample(split: Split, limit: int | None) -> Split:
 # The source
 
 
+def resolve_loader(loader: str, device: torch.device) -> str:
+    """The loader that will decode training batches on `device`: "auto" is the GPU path on CUDA
+    when torchvision decodes there (else PIL, with a warning); "gpu" must decode there (else one
+    clear error, rather than every file falling back to the CPU)."""
+    if loader == "gpu" or (loader == "auto" and device.type == "cuda"):
+        from speedrun.data.gpu import decoder_problem
+
+        problem = decoder_problem(device)
+        if problem is None:
+            return "gpu"
+        if loader == "gpu":
+            raise SpeedrunError(f"--loader gpu: torchvision cannot decode JPEGs on {device}: {problem}")
+        log.warning("torchvision cannot decode JPEGs on %s (%s): training images are decoded by PIL", device, problem)
+        return "pil"
+    return "pil" if loader == "auto" else loader
+
+
 class ImageFolderSource:
     """An ImageNet-layout tree (and its resized copies) as a `DataSource`.
 
@@ -191,13 +208,11 @@ class ImageFolderSource:
         if loader == "dali" and not installed():
             raise SpeedrunError("the DALI loader was asked for, but NVIDIA DALI is not installed "
                                 "(pip install 'speedrun[dali]')")
-        if loader == "auto":
-            loader = "gpu" if self.device.type == "cuda" else "pil"
-        self.loader = loader  # what decodes training batches here
+        self.loader = resolve_loader(loader, self.device)  # what decodes training batches here
         copies = copies_dir or os.environ.get("SPEEDRUN_COPIES") or f"{self.root.resolve()}-sz"
         self.copies_dir = Path(copies).expanduser()
-        self.bad_images = BadImages()
-        self.cpu_decoded = BadImages(what="decoding on the CPU")  # the GPU path's fallbacks (not skipped)
+        self.bad_images = CountedFiles()
+        self.cpu_decoded = CountedFiles(what="decoding on the CPU")  # the GPU path's fallbacks (not skipped)
         self._indexes: dict[int | None, Index | None] = {}
         self._warned: set[int] = set()
 

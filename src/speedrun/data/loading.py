@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import DataLoader, get_worker_info
 
-from speedrun.data.base import BadImages, Batch, Shard, epoch_permutation, rank_indices
+from speedrun.data.base import CountedFiles, Batch, Shard, epoch_permutation, rank_indices
 
 # A run of this many undecodable samples in a row means the data is broken, not a few bad files.
 MAX_SUBSTITUTES = 64
@@ -69,7 +69,7 @@ class ImageFolderTrainStream:
     """Training batches for one data setting (`Phase.data_key`); see `data.base.TrainStream`."""
 
     def __init__(self, dataset: torch.utils.data.Dataset, shard: Shard, seed: int, batch_size: int,
-                 options: LoaderOptions, bad: BadImages):
+                 options: LoaderOptions, bad: CountedFiles):
         # `dataset` makes whole batches from (epoch, row) keys: imagefolder's decoder, gpu.ByteReader.
         self._sampler = EpochBatchSampler(len(dataset), shard, seed, batch_size)
         self._bad = bad
