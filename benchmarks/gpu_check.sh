@@ -63,7 +63,7 @@ import json, sys
 from pathlib import Path
 
 out, goal_size = Path(sys.argv[1]), int(sys.argv[2])  # MLPerf's pace is at 224 px
-device = (out / "device.txt").read_text().split(",")[0].strip()
+device = (out / "device.txt").read_text().splitlines()[0].split(",")[0].strip()
 summary = {"device": device, "images_per_s": {}, "goals": {}}
 feed = out / "gpu-check-feed.json"
 if feed.exists():
