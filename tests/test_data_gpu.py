@@ -102,7 +102,7 @@ def _encoded(width: int, height: int, **save) -> bytes:
 
 def test_the_header_says_which_files_nvjpeg_takes():
     assert gpu_unsupported(_encoded(40, 30)) is None
-    assert gpu_unsupported(_encoded(40, 30, progressive=True)) is None
+    assert gpu_unsupported(_encoded(40, 30, progressive=True)).startswith("a progressive JPEG")
     assert gpu_unsupported(_encoded(40, 30, mode="L")) is None
     assert gpu_unsupported(_encoded(40, 30, mode="CMYK")) == "a JPEG of 4 colour components"
     assert gpu_unsupported(_encoded(40, 30, format="PNG")) == "not a JPEG"
@@ -151,11 +151,15 @@ def test_a_device_torchvision_cannot_decode_on_is_one_clear_error_or_pil_for_aut
     monkeypatch.setattr(gpu, "_decode", no_nvjpeg)
     with pytest.raises(SpeedrunError, match="--loader gpu: torchvision cannot decode JPEGs on cpu: .*nvJPEG"):
         ImageFolderSource(tree, workers=0, device=CPU, loader="gpu")
-    cuda = torch.device("cuda")  # no CUDA is used: the decoder is the one above
+    cuda = torch.device("cuda")  # no CUDA is used: the decoder is the one above, the capability below
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))  # an H100 or H200
     assert resolve_loader("auto", cuda) == "pil"  # rather than every file falling back, one by one
-    monkeypatch.undo()
     monkeypatch.setattr(gpu, "decoder_problem", lambda device: None)
     assert resolve_loader("auto", cuda) == "gpu"
+    # A GPU without hardware JPEG decoders (a V100, 7.0) decodes one image at a time: auto keeps PIL,
+    # --loader gpu is still obeyed.
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (7, 0))
+    assert resolve_loader("auto", cuda) == "pil" and resolve_loader("gpu", cuda) == "gpu"
 
 
 def test_running_out_of_device_memory_is_raised_not_hidden_as_cpu_fallbacks(tree, monkeypatch):

@@ -47,7 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--loader", choices=LOADERS, default="auto",
                    help="image-folder training decode: pil in worker processes; gpu: workers read bytes, torchvision "
                    "decodes on the training device (nvJPEG on CUDA); dali: NVIDIA DALI (needs speedrun[dali]); "
-                   "auto: gpu on CUDA, else pil")
+                   "auto: gpu on GPUs with hardware JPEG decoders (A100, H100, H200, B200), else pil")
     p.add_argument("--log-every", type=int, default=50, metavar="STEPS", help="steps between train-loss records (default 50)")
     p.add_argument("--checkpoint-every", action="append", default=None, metavar="EPOCHS|MINUTESm",
                    help="epochs between checkpoints, 0 for none (default 1); `10m`: also one mid-epoch every 10 "

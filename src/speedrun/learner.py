@@ -241,6 +241,11 @@ def configure_determinism(cfg: TrainConfig, ctx: DistContext) -> None:
     if cfg.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
+        # Deterministic mode also fills every new tensor, on the allocating stream. torchvision's
+        # nvJPEG decoder writes its outputs from a stream of its own that does not wait for that
+        # fill, which could land on decoded pixels (`data.gpu`). speedrun reads no memory it has
+        # not written, so the fill only costs time.
+        torch.utils.deterministic.fill_uninitialized_memory = False
         torch.backends.cudnn.benchmark = False
     elif ctx.device.type == "cuda":
         torch.backends.cudnn.benchmark = True

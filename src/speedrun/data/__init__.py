@@ -36,7 +36,7 @@ def build_source(
     are (None: $SPEEDRUN_COPIES, else <path>-sz; see docs/data.md). `loader` decodes an image
     folder's training images: "pil" in worker processes, "gpu" with torchvision's decoder on
     `device` (nvJPEG on CUDA) fed file bytes by the workers, "dali" with NVIDIA DALI on `device`,
-    "auto" the GPU path on CUDA, else PIL.
+    "auto" the GPU path on GPUs with hardware JPEG decoders, else PIL.
     """
     if loader != "auto" and recipe.dataset != "imagefolder":
         raise SpeedrunError(f"--loader {loader} applies to image folders; recipe {recipe.name!r} reads {recipe.dataset}")

@@ -62,14 +62,14 @@ def _resample(images: torch.Tensor, rois: torch.Tensor, flips: torch.Tensor, siz
     to size x size, averaging every source pixel under an output pixel (antialiased), flipped
     where `flips`; uint8 K x C x size x size."""
     out = roi_align(images, rois, output_size=size, spatial_scale=1.0, sampling_ratio=-1, aligned=True)
-    out = torch.where(flips.view(-1, 1, 1, 1), out.flip(-1), out)
-    return out.round_().clamp_(0, 255).to(torch.uint8)
+    out = out.round_().clamp_(0, 255).to(torch.uint8)  # flipped after: a quarter of the bytes to move
+    return torch.where(flips.view(-1, 1, 1, 1), out.flip(-1), out)
 
 
 # The windows of one canvas cover at most this many pixels (more make more canvases; one window
 # larger than this gets a canvas of its own). With shelf packing's waste, a canvas is at most about
-# twice that, and its float copy with the int64 index maps that build it (about ten canvas-sized
-# tensors at once) stays under about 1.5 GB.
+# twice that, and building it takes about 45 bytes per canvas pixel (int32 index maps, the uint8
+# gather, its float copy): under 1 GB.
 MAX_CANVAS_PX = 8 * 2**20
 EDGE = 1e-6  # px: a box within this of an image's edge is inside it (boxes arrive as scaled fractions)
 
@@ -109,56 +109,70 @@ def _canvas_crops(images: list[torch.Tensor], boxes: torch.Tensor, windows: list
     width = max(max(windows[i][2] for i in group), math.isqrt(sum(windows[i][2] * windows[i][3] for i in group)))
     x = y = shelf_h = 0
     shelves: list[list[int]] = []  # [top, height] per shelf
-    place = {}  # group position -> (canvas x, canvas y, shelf)
+    place = {}  # group position -> (canvas x, canvas y)
+    runs: list[tuple[int, int]] = []  # the shelves' columns, left to right, top shelf first: (window or -1, width)
     for k in sorted(range(len(group)), key=lambda k: -windows[group[k]][3]):
         w, h = windows[group[k]][2:]
         if x + w > width:
+            runs.append((-1, width - x))
             y, x, shelf_h = y + shelf_h, 0, 0
         if shelf_h == 0:
             shelf_h = h
             shelves.append([y, h])
-        place[k] = (x, y, len(shelves) - 1)
+        place[k] = (x, y)
+        runs.append((k, w))
         x += w
+    runs.append((-1, width - x))
     height = y + shelf_h
-    # Which window each canvas pixel shows: canvas row -> shelf, (shelf, column) -> window (-1: none).
-    row_shelf = torch.zeros(height, dtype=torch.int64)
-    col_window = torch.full((len(shelves), width), -1, dtype=torch.int64)
-    for s, (top, h) in enumerate(shelves):
-        row_shelf[top : top + h] = s
-    for k, (cx, _, s) in place.items():
-        col_window[s, cx : cx + windows[group[k]][2]] = k
+    # Which window each canvas pixel shows: canvas row -> shelf (and row within it), (shelf,
+    # column) -> window (-1: none). A window's rows all start at its shelf's top.
+    tops, heights = (torch.tensor(v, dtype=torch.int64) for v in zip(*shelves))
+    row_shelf = torch.repeat_interleave(torch.arange(len(shelves)), heights)
+    row_in_shelf = torch.arange(height) - tops[row_shelf]
+    values, lengths = (torch.tensor(v, dtype=torch.int64) for v in zip(*runs))
+    col_window = torch.repeat_interleave(values, lengths).view(len(shelves), width)
     # Per window: where it is on the canvas and in its image, its image's place in `flat`, and the
     # image pixels it may show (lo..hi, -1 and w/h being the rim: shown where the box stays inside,
     # zero padding where it reaches past that edge).
     shapes = [images[i].shape for i in group]
-    numel = [c * h * w for c, h, w in shapes]
-    starts = [0, *itertools.accumulate(numel)][:-1]
-    rows = []
+    starts = [0, *itertools.accumulate(h * w for _, h, w in shapes)]
+    rows, shift = [], []
     for k, (bx1, by1, bx2, by2) in enumerate(boxes[group.start : group.stop].tolist()):
-        i, (_, ih, iw) = group[k], shapes[k]
-        rows.append([place[k][0], place[k][1], windows[i][0], windows[i][1], windows[i][3], ih, iw, starts[k],
+        i, (_, ih, iw), (cx, cy) = group[k], shapes[k], place[k]
+        rows.append([cx, windows[i][0], windows[i][1], windows[i][3], ih, iw, starts[k],
                      -1 if bx1 > -EDGE else 0, iw if bx2 < iw + EDGE else iw - 1,
                      -1 if by1 > -EDGE else 0, ih if by2 < ih + EDGE else ih - 1])
-    table = torch.tensor(rows, dtype=torch.int64)
-    table, row_shelf, col_window = (host_to_device(t, device) for t in (table, row_shelf, col_window))
-    cx, cy, x0, y0, win_h, img_h, img_w, start, lo_x, hi_x, lo_y, hi_y = table.unbind(1)
+        shift.append([cx - windows[i][0], cy - windows[i][1]] * 2)  # image px -> canvas px
+    table, row_shelf, row_in_shelf, col_window = (
+        host_to_device(t, device) for t in (torch.tensor(rows, dtype=torch.int64), row_shelf, row_in_shelf, col_window))
+    cx, x0, y0, win_h, img_h, img_w, start, lo_x, hi_x, lo_y, hi_y = table.unbind(1)
 
-    k = col_window[row_shelf]  # height x width
-    used = k >= 0
-    k = k.clamp(min=0)
-    rows = torch.arange(height, device=device)[:, None] - cy[k]
-    iy = y0[k] + rows
-    ix = x0[k] + torch.arange(width, device=device)[None, :] - cx[k]
-    h, w = img_h[k], img_w[k]
-    used &= (rows < win_h[k]) & (iy >= lo_y[k]) & (iy <= hi_y[k]) & (ix >= lo_x[k]) & (ix <= hi_x[k])
-    at = start[k] + torch.minimum(iy.clamp(min=0), h - 1) * w + torch.minimum(ix.clamp(min=0), w - 1)
-    flat = torch.cat([images[i].reshape(-1) for i in group])
-    plane = h * w
-    canvas = torch.stack([flat[at + c * plane] for c in range(3)]).float() * used
-    shift = torch.stack([cx - x0, cy - y0, cx - x0, cy - y0], dim=1).to(torch.float32)
-    rois = torch.cat([torch.zeros(len(group), 1, device=device),
-                      host_to_device(boxes[group.start : group.stop].float(), device) + shift], dim=1)
-    return _resample(canvas[None], rois, host_to_device(flips[group.start : group.stop], device), size)
+    # Everything about a canvas column is known per shelf (S x W, small): the image column it
+    # shows (clamped: the rim repeats the edge), which of the window's rows are shown, and where
+    # its row r (clamped likewise) lies in `flat`: base + r * w.
+    k = col_window.clamp(min=0)
+    ix = x0[k] + torch.arange(width, device=device) - cx[k]
+    w = img_w[k]
+    shown = (col_window >= 0) & (ix >= lo_x[k]) & (ix <= hi_x[k])
+    first = (lo_y[k] - y0[k]).clamp(min=0)
+    last = torch.where(shown, torch.minimum(win_h[k] - 1, hi_y[k] - y0[k]), -1)
+    base = start[k] + ix.clamp(min=0).minimum(w - 1) + y0[k] * w
+    per_column = torch.stack([base, w, -y0[k], img_h[k] - 1 - y0[k], first, last]).to(torch.int32)
+    # Then one gather spreads that over the canvas rows, and a few int32 passes make each canvas
+    # pixel's index in `flat` (a last, zero pixel where nothing is shown): the canvas-sized work
+    # is what costs on the GPU (memory traffic), so it is kept to these.
+    base, w, r_min, r_max, first, last = per_column[:, row_shelf].unbind(0)
+    r = row_in_shelf.to(torch.int32)[:, None]
+    at = torch.clamp(r, r_min, r_max).mul_(w).add_(base)
+    # All three channels of every image share one index: `flat` is 3 x (all pixels), channel-major.
+    flat = torch.cat([images[i].reshape(3, -1) for i in group] + [torch.zeros(3, 1, dtype=torch.uint8, device=device)],
+                     dim=1)
+    at.masked_fill_((r < first) | (r > last), flat.shape[1] - 1)
+    canvas = flat[:, at].float()
+    rois = torch.cat([torch.zeros(len(group), 1, dtype=torch.float64), boxes[group.start : group.stop]
+                      + torch.tensor(shift, dtype=torch.float64)], dim=1).float()
+    return _resample(canvas[None], host_to_device(rois, device), host_to_device(flips[group.start : group.stop], device),
+                     size)
 
 
 def resize_center_crop(images: torch.Tensor, size: int, resize: int) -> torch.Tensor:

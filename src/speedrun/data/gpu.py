@@ -11,8 +11,9 @@ CPU), and every image is cropped, resized and flipped in one batched `roi_align`
 the training step (the decoder makes its caller wait for the whole batch), on CUDA streams of its
 own, so decoding overlaps the step.
 
-Files nvJPEG cannot take (not a JPEG, CMYK/YCCK, lossless or arithmetic-coded JPEGs; found from
-the header, `gpu_unsupported`) are decoded by PIL in the worker, that file alone, and counted;
+Files nvJPEG cannot take (not a JPEG, CMYK/YCCK, lossless or arithmetic-coded JPEGs) or takes
+only one at a time (progressive JPEGs), found from the header (`gpu_unsupported`), are decoded by
+PIL in the worker, that file alone, and counted;
 a file that the batched decode still refuses is retried alone and then decoded on the CPU,
 counted too. A file that nothing decodes is logged, counted and replaced by the next row, as in
 the PIL loader. On the CPU the same code runs with CPU decoding, which is how CI tests it.
@@ -27,7 +28,6 @@ import logging
 import queue
 import random
 import threading
-import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -46,15 +46,18 @@ from speedrun.recipe import Phase
 log = logging.getLogger("speedrun.data")
 _END = object()  # what the decode thread offers after an epoch's last batch
 
-# Start-of-frame markers nvJPEG decodes: baseline (SOF0), extended (SOF1), progressive (SOF2),
-# all Huffman-coded. The others are lossless, hierarchical or arithmetic-coded.
-_GPU_FRAMES = {0xC0, 0xC1, 0xC2}
+# Start-of-frame markers the GPU path gives nvJPEG: baseline (SOF0) and extended (SOF1) Huffman
+# JPEGs, which its batched (hardware) decoder takes. Progressive ones (SOF2) it decodes too, but one
+# at a time with their Huffman decoding on the calling thread (torchvision's decode_jpegs_cuda), so
+# a tree of them would be decoded on one core: the workers decode those with PIL, all cores at once.
+# The others are lossless, hierarchical or arithmetic-coded, which nvJPEG does not decode.
+_GPU_FRAMES = {0xC0, 0xC1}
 _SOF = set(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}  # C4 = Huffman tables, CC = arithmetic tables
 
 
 def gpu_unsupported(data: bytes | memoryview) -> str | None:
     """Why nvJPEG cannot decode the file whose bytes are `data` (from its header alone), or None
-    when it can: a baseline, extended or progressive Huffman JPEG of 1 or 3 components."""
+    when it can: a baseline or extended Huffman JPEG of 1 or 3 components."""
     data = memoryview(data)
     if bytes(data[:2]) != b"\xff\xd8":
         return "not a JPEG"
@@ -72,6 +75,8 @@ def gpu_unsupported(data: bytes | memoryview) -> str | None:
         if marker == 0xDA:  # a scan before any frame header
             return "damaged JPEG header"
         if marker in _SOF:
+            if marker == 0xC2:
+                return "a progressive JPEG (nvJPEG decodes those one at a time, on one host thread)"
             if marker not in _GPU_FRAMES:
                 return f"a JPEG coding nvJPEG does not decode (SOF{marker - 0xC0})"
             components = data[i + 9] if i + 9 < len(data) else 0
@@ -106,7 +111,7 @@ class EncodedBatch:
     rows: list[int]  # the split's rows, for replacing a file found bad after decoding
     epoch: int
     bad: list[tuple[str, str]] = field(default_factory=list)  # (path, why) skipped in the worker
-    cpu_decoded: list[str] = field(default_factory=list)  # paths the worker decoded with PIL
+    cpu_decoded: list[tuple[str, str]] = field(default_factory=list)  # (path, why) the worker decoded with PIL
 
     def files(self) -> list[torch.Tensor | None]:
         """Each sample's encoded bytes (1-D uint8 views), None for those decoded already."""
@@ -118,6 +123,7 @@ class EncodedBatch:
 class _Sample:
     data: np.ndarray | None  # encoded bytes, or None when `pixels` holds the decoded image
     pixels: torch.Tensor | None
+    why_cpu: str | None  # why the worker decoded it (`gpu_unsupported`), when it did
     box: tuple[float, float, float, float]  # fractions of width and height
     flip: bool
     label: int
@@ -148,13 +154,13 @@ class ByteReader(torch.utils.data.Dataset):
             box = (left / width, top / height, (left + cw) / width, (top + ch) / height)
             try:
                 data = np.fromfile(path, dtype=np.uint8)
-                pixels = None
-                if gpu_unsupported(data) is not None:
+                pixels, why_cpu = None, gpu_unsupported(data)
+                if why_cpu is not None:
                     pixels, data = decode_rgb(path), None
             except Exception as e:  # unreadable or undecodable: count it, use another sample
                 bad.append((path, one_line(e)))
                 continue
-            return _Sample(data, pixels, box, flip, int(self.split.labels[r]), r, path)
+            return _Sample(data, pixels, why_cpu, box, flip, int(self.split.labels[r]), r, path)
         raise SpeedrunError(f"{MAX_SUBSTITUTES} unreadable images in a row from {path}: is the data intact?")
 
     def __getitems__(self, keys: Sequence[tuple[int, int]]) -> EncodedBatch:
@@ -177,7 +183,7 @@ class ByteReader(torch.utils.data.Dataset):
             rows=[s.row for s in samples],
             epoch=keys[0][0] if keys else 0,
             bad=bad,
-            cpu_decoded=[s.path for s in samples if s.pixels is not None],
+            cpu_decoded=[(s.path, s.why_cpu) for s in samples if s.pixels is not None],
         )
 
     def __getitem__(self, key):
@@ -185,13 +191,32 @@ class ByteReader(torch.utils.data.Dataset):
 
 
 def _decode(files: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """decode_jpeg on `device` to RGB (torchvision warns that its decoders move to TorchCodec;
-    they are what ships with torch, on the GPU machine too)."""
+    """decode_jpeg on `device` to RGB. (torchvision 0.29 deprecates its decoders in favour of
+    TorchCodec, with a DeprecationWarning that Python shows only to __main__; they are what ships
+    with torch, on the GPU machine too. The warning is not silenced here: `warnings.catch_warnings`
+    changes process-wide state and is not safe in the decode thread.)"""
     from torchvision.io import ImageReadMode, decode_jpeg
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return decode_jpeg(files, mode=ImageReadMode.RGB, device=device)
+    return decode_jpeg(files, mode=ImageReadMode.RGB, device=device)
+
+
+def _device_failure(e: RuntimeError) -> bool:
+    """Whether a decode error is the device's (out of memory, a CUDA error), not the file's:
+    torchvision re-raises whatever its CUDA decoder meets as a plain RuntimeError."""
+    text = str(e)
+    return isinstance(e, torch.OutOfMemoryError) or any(
+        s in text for s in ("out of memory", "CUDA error", "Failed to synchronize CUDA stream"))
+
+
+# CUDA compute capabilities of the GPUs with hardware JPEG decoders (NVJPG engines), which
+# torchvision's batched decode uses: A100 and A30 (8.0), H100 and H200 (9.0), B200 (10.0). Elsewhere
+# (V100, T4, consumer cards) it decodes one image at a time, its Huffman stage on the calling thread.
+JPEG_ENGINE_CAPABILITIES = {(8, 0), (9, 0), (10, 0)}
+
+
+def has_jpeg_engine(device: torch.device) -> bool:
+    """Whether `device` is a GPU with hardware JPEG decoders (`JPEG_ENGINE_CAPABILITIES`)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) in JPEG_ENGINE_CAPABILITIES
 
 
 def decoder_problem(device: torch.device) -> str | None:
@@ -199,8 +224,10 @@ def decoder_problem(device: torch.device) -> str | None:
     use), or None when it can: found by decoding one 8 x 8 image there."""
     from torchvision.io import encode_jpeg
 
+    # torchvision keeps one decoder, bound to the device current when it is made: make it `device`.
     try:
-        _decode([encode_jpeg(torch.zeros(3, 8, 8, dtype=torch.uint8))], device)
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            _decode([encode_jpeg(torch.zeros(3, 8, 8, dtype=torch.uint8))], device)
     except RuntimeError as e:
         return one_line(e)
     return None
@@ -272,7 +299,7 @@ class GpuDecodeTrainStream(ImageFolderTrainStream):
         if encoded.bad:
             self._bad.add(encoded.bad)
         if encoded.cpu_decoded:
-            self.cpu_decoded.add([(path, "nvJPEG cannot decode it") for path in encoded.cpu_decoded])
+            self.cpu_decoded.add(encoded.cpu_decoded)
         if self._stream is None:
             return *self._decode_and_crop(encoded), None
         with torch.cuda.stream(self._stream):
@@ -302,7 +329,6 @@ class GpuDecodeTrainStream(ImageFolderTrainStream):
         """decode_jpeg on the device; on CUDA on the decode stream, ordered before the crops."""
         if self._decode_stream is None:
             return _decode(files, self.device)
-        self._decode_stream.wait_stream(self._stream)
         with torch.cuda.stream(self._decode_stream):
             images = _decode(files, self.device)
         self._stream.wait_stream(self._decode_stream)
@@ -322,9 +348,9 @@ class GpuDecodeTrainStream(ImageFolderTrainStream):
         try:
             for i, image in zip(todo, self._decode_on_device([files[i] for i in todo]) if todo else []):
                 images[i] = image
-        except torch.OutOfMemoryError:  # not the files' fault: no fallback hides it
-            raise
-        except RuntimeError:  # a file the header check let through: find it
+        except RuntimeError as e:  # a file the header check let through: find it
+            if _device_failure(e):  # not the files' fault: no fallback hides it
+                raise
             for i in todo:
                 images[i] = self._decode_one(files[i], str(self.reader.root / self.reader.split.path(encoded.rows[i])))
         for i in range(len(images)):
@@ -351,18 +377,20 @@ class GpuDecodeTrainStream(ImageFolderTrainStream):
         bad) when no decoder reads it."""
         try:
             return self._decode_on_device([data])[0]
-        except torch.OutOfMemoryError:
-            raise
-        except RuntimeError:
-            pass
+        except RuntimeError as e:
+            if _device_failure(e):
+                raise
+        # Only the decoders' own errors are caught below: a failure to move the image to the
+        # device is the device's, raised as it is.
+        decoded = None
         if self.device.type != "cpu":
             with contextlib.suppress(RuntimeError):
-                image = host_to_device(_decode([data], torch.device("cpu"))[0], self.device)
-                self.cpu_decoded.add([(path, "nvJPEG failed on it")])
-                return image
-        with contextlib.suppress(Exception):
-            image = host_to_device(decode_rgb(path), self.device)  # what libjpeg refuses, PIL may still read
-            self.cpu_decoded.add([(path, "libjpeg failed on it; PIL read it")])
-            return image
-        self._bad.add([(path, "no decoder reads it")])
-        return None
+                decoded, why = _decode([data], torch.device("cpu"))[0], "nvJPEG failed on it"
+        if decoded is None:
+            with contextlib.suppress(Exception):  # what libjpeg refuses, PIL may still read
+                decoded, why = decode_rgb(path), "libjpeg failed on it; PIL read it"
+        if decoded is None:
+            self._bad.add([(path, "no decoder reads it")])
+            return None
+        self.cpu_decoded.add([(path, why)])
+        return host_to_device(decoded, self.device)

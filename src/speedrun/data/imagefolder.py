@@ -147,12 +147,13 @@ def _sample(split: Split, limit: int | None) -> Split:
 
 
 def resolve_loader(loader: str, device: torch.device) -> str:
-    """The loader that will decode training batches on `device`: "auto" is the GPU path on CUDA
-    when torchvision decodes there (else PIL, with a warning); "gpu" must decode there (else one
-    clear error, rather than every file falling back to the CPU)."""
-    if loader == "gpu" or (loader == "auto" and device.type == "cuda"):
-        from speedrun.data.gpu import decoder_problem
+    """The loader that will decode training batches on `device`: "auto" is the GPU path on a GPU
+    with hardware JPEG decoders (`gpu.has_jpeg_engine`: A100, H100, H200, B200) when torchvision
+    decodes there (else PIL, with a warning); "gpu" must decode there, on any device (else one clear
+    error, rather than every file falling back to the CPU)."""
+    from speedrun.data.gpu import decoder_problem, has_jpeg_engine
 
+    if loader == "gpu" or (loader == "auto" and has_jpeg_engine(device)):
         problem = decoder_problem(device)
         if problem is None:
             return "gpu"
@@ -172,7 +173,7 @@ class ImageFolderSource:
     docstring. device: the training device (None: CUDA when available). loader: what decodes
     training batches, one of `data.LOADERS`: "pil" worker processes, "gpu" torchvision's decoder
     on `device` fed file bytes by the workers (`data.gpu`: nvJPEG on CUDA), "dali" NVIDIA DALI
-    (`data.dali`) on `device`, "auto" the GPU path on CUDA, else PIL.
+    (`data.dali`) on `device`, "auto" see `resolve_loader`.
     """
 
     channels = 3
