@@ -162,14 +162,20 @@ def test_a_device_torchvision_cannot_decode_on_is_one_clear_error_or_pil_for_aut
     assert resolve_loader("auto", cuda) == "pil" and resolve_loader("gpu", cuda) == "gpu"
 
 
-def test_running_out_of_device_memory_is_raised_not_hidden_as_cpu_fallbacks(tree, monkeypatch):
+@pytest.mark.parametrize("error", [
+    torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+    # What torchvision's CUDA decoder raises for whatever it meets, out of memory included.
+    RuntimeError("Error while decoding JPEG images: CUDA out of memory. Tried to allocate 2.00 GiB"),
+    RuntimeError("Error while decoding JPEG images: Failed to synchronize CUDA stream: 700"),
+])
+def test_device_failures_are_raised_not_hidden_as_cpu_fallbacks(tree, monkeypatch, error):
     source = ImageFolderSource(tree, workers=0, device=CPU, loader="gpu")
 
-    def out_of_memory(files, device):
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    def fail(files, device):
+        raise error
 
-    monkeypatch.setattr(gpu, "_decode", out_of_memory)
-    with pytest.raises(torch.OutOfMemoryError):
+    monkeypatch.setattr(gpu, "_decode", fail)
+    with pytest.raises(RuntimeError, match="CUDA"):
         _batches(source, 0)
     assert source.cpu_fallbacks() == 0 and source.skipped_images()["failures"] == 0
 
