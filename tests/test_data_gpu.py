@@ -10,10 +10,9 @@ import pytest
 import torch
 from PIL import Image
 
-from speedrun.data import augment
+from speedrun.data import augment, gpu
 from speedrun.data.augment import crop_resize_flip, crop_resize_flip_ragged, random_crop_boxes
 from speedrun.data.base import Shard
-from speedrun.data import gpu
 from speedrun.data.gpu import GpuDecodeTrainStream, gpu_unsupported
 from speedrun.data.imagefolder import ImageFolderSource, resolve_loader
 from speedrun.errors import SpeedrunError

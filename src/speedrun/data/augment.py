@@ -128,7 +128,7 @@ def _canvas_crops(images: list[torch.Tensor], boxes: torch.Tensor, windows: list
     # column) -> window (-1: none). A window's rows all start at its shelf's top.
     tops, heights = (torch.tensor(v, dtype=torch.int64) for v in zip(*shelves))
     row_shelf = torch.repeat_interleave(torch.arange(len(shelves)), heights)
-    row_in_shelf = torch.arange(height) - tops[row_shelf]
+    row_in_shelf = (torch.arange(height) - tops[row_shelf]).to(torch.int32)
     values, lengths = (torch.tensor(v, dtype=torch.int64) for v in zip(*runs))
     col_window = torch.repeat_interleave(values, lengths).view(len(shelves), width)
     # Per window: where it is on the canvas and in its image, its image's place in `flat`, and the
@@ -162,7 +162,7 @@ def _canvas_crops(images: list[torch.Tensor], boxes: torch.Tensor, windows: list
     # pixel's index in `flat` (a last, zero pixel where nothing is shown): the canvas-sized work
     # is what costs on the GPU (memory traffic), so it is kept to these.
     base, w, r_min, r_max, first, last = per_column[:, row_shelf].unbind(0)
-    r = row_in_shelf.to(torch.int32)[:, None]
+    r = row_in_shelf[:, None]
     at = torch.clamp(r, r_min, r_max).mul_(w).add_(base)
     # All three channels of every image share one index: `flat` is 3 x (all pixels), channel-major.
     flat = torch.cat([images[i].reshape(3, -1) for i in group] + [torch.zeros(3, 1, dtype=torch.uint8, device=device)],

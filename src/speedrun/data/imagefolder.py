@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader
 
 from speedrun.data import LOADERS
 from speedrun.data.base import CountedFiles, Batch, Shard, TrainStream, split_batches_contiguously
+from speedrun.data import gpu
 from speedrun.data.index import Index, Split, load_index
 from speedrun.data.loading import (
     MAX_SUBSTITUTES,
@@ -151,10 +152,8 @@ def resolve_loader(loader: str, device: torch.device) -> str:
     with hardware JPEG decoders (`gpu.has_jpeg_engine`: A100, H100, H200, B200) when torchvision
     decodes there (else PIL, with a warning); "gpu" must decode there, on any device (else one clear
     error, rather than every file falling back to the CPU)."""
-    from speedrun.data.gpu import decoder_problem, has_jpeg_engine
-
-    if loader == "gpu" or (loader == "auto" and has_jpeg_engine(device)):
-        problem = decoder_problem(device)
+    if loader == "gpu" or (loader == "auto" and gpu.has_jpeg_engine(device)):
+        problem = gpu.decoder_problem(device)
         if problem is None:
             return "gpu"
         if loader == "gpu":
@@ -284,10 +283,8 @@ class ImageFolderSource:
             except Exception as e:  # optional extra: never worse than the PIL loader
                 log.warning("DALI pipeline failed (%s: %s); decoding with PIL", type(e).__name__, e)
         if self.loader == "gpu":
-            from speedrun.data.gpu import ByteReader, GpuDecodeTrainStream
-
-            reader = ByteReader(self.copy_root(copy), self._train_split(copy), phase, seed)
-            return GpuDecodeTrainStream(reader, shard, seed, phase.batch_size, self.options, self.device,
+            reader = gpu.ByteReader(self.copy_root(copy), self._train_split(copy), phase, seed)
+            return gpu.GpuDecodeTrainStream(reader, shard, seed, phase.batch_size, self.options, self.device,
                                         self.bad_images, self.cpu_decoded)
         dataset = _TrainDecoder(self.copy_root(copy), self._train_split(copy), phase, seed, self.options.draft)
         return ImageFolderTrainStream(dataset, shard, seed, phase.batch_size, self.options, self.bad_images)
