@@ -17,7 +17,9 @@ tests. Between the two sits a small WSGI layer doing three things, and only thes
    root. TerminateInstances and StopInstances take the host down. So SSH, tmux and training
    run for real on the addresses moto handed out.
 3. Chosen calls are answered with AWS's error codes (`fail`), as AWS answers when capacity or a
-   quota runs out; moto itself never runs out.
+   quota runs out; moto itself never runs out. Or (`garble`) with what no AWS endpoint sends but a
+   proxy or load balancer on the way may: HTTP 502 with an HTML page that is not XML, which
+   botocore cannot parse (ResponseParserError). The call then never reaches moto.
 
 The VPC range for tests is 198.51.100.0/24 (TEST-NET-2): speedrun gives zone i of the region the
 i-th /28 of it, which is network slot i of tests/netns.py, so the cluster's slot decides the zone
@@ -54,7 +56,7 @@ EC2_NS = "http://ec2.amazonaws.com/doc/2016-11-15/"
 @dataclass
 class Fault:
     action: str
-    code: str
+    code: str | None  # None: the reply is not AWS's at all (`garble`)
     zone: str | None  # only calls placing instances in this zone; None: any
     market: str | None  # "spot" / "on-demand": only such launches; None: any
 
@@ -131,6 +133,11 @@ class AWSTestServer:
         """Answer `action` with the AWS error `code` from now on (where zone/market match)."""
         self.faults.append(Fault(action, code, zone, market))
 
+    def garble(self, action: str) -> None:
+        """Answer `action` from now on as a failing proxy in front of AWS would: HTTP 502 and an
+        HTML page that is not XML (the call does not reach moto)."""
+        self.faults.append(Fault(action, None, None, None))
+
     def reset(self) -> None:
         """Forget faults and everything moto holds (a new account); booted hosts go down."""
         self.faults.clear()
@@ -152,6 +159,10 @@ class AWSTestServer:
         if action:
             self.calls.append(action)
         fault = next((f for f in self.faults if self._matches(f, action, params)), None)
+        if fault is not None and fault.code is None:
+            # Not "<html>..." (botocore reads that as a bare HTTP error) and not XML either (<br>).
+            start_response("502 Bad Gateway", [("Content-Type", "text/html")])
+            return [b"<!DOCTYPE html><html><body><h1>502 Bad Gateway</h1><br>the proxy got no answer</body></html>"]
         if fault is not None:
             return self._error(start_response, fault.code, f"{fault.code} (injected by the test server)")
         if action in ("CreatePlacementGroup", "DescribePlacementGroups", "DeletePlacementGroup"):

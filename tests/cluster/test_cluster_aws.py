@@ -35,6 +35,12 @@ def options(aws, **extra):
                    private_ips=True, ssh_user="root", shared_storage=False), **extra}
 
 
+def cli_flags(aws) -> list[str]:
+    """`speedrun launch` options matching `options(aws)`."""
+    return ["--provider", "aws", "--instance-type", "c5.large", "--image", IMAGE, "--zone", aws.zone,
+            "--vpc-cidr", aws.VPC_CIDR, "--private-ips", "--ssh-user", "root", "--no-shared-storage"]
+
+
 def job_instances(aws, job: str) -> list[dict]:
     r = aws.client().describe_instances(Filters=[{"Name": "tag:speedrun:job", "Values": [job]}])
     return [i for res in r["Reservations"] for i in res["Instances"]]
@@ -71,8 +77,8 @@ def test_two_instances_train_end_to_end_and_go_down(aws, efs_mount, job_name):
 
 
 def test_resources_are_made_once_reused_and_never_open_to_the_world(aws, job_name):
-    first = make_job(f"{job_name}-a", 1, **options(aws, ssh_cidr="203.0.113.7/32"))
-    second = make_job(f"{job_name}-b", 1, **options(aws, ssh_cidr="203.0.113.7/32"))
+    first = make_job(f"{job_name}-a", 1, **options(aws, ssh_cidr="198.51.100.7/32"))
+    second = make_job(f"{job_name}-b", 1, **options(aws, ssh_cidr="198.51.100.7/32"))
     ec2 = aws.client()
     managed = [{"Name": "tag:speedrun:managed", "Values": ["true"]}]
     assert len(ec2.describe_vpcs(Filters=managed)["Vpcs"]) == 1
@@ -82,7 +88,7 @@ def test_resources_are_made_once_reused_and_never_open_to_the_world(aws, job_nam
     assert len(groups) == 1
     rules = groups[0]["IpPermissions"]
     cidrs = [r["CidrIp"] for rule in rules for r in rule.get("IpRanges", [])]
-    assert cidrs == ["203.0.113.7/32"]  # SSH from the caller only
+    assert cidrs == ["198.51.100.7/32"]  # SSH from the caller only
     assert [(r["IpProtocol"], r.get("FromPort")) for r in rules if r.get("IpRanges")] == [("tcp", 22)]
     assert all(p["GroupId"] == groups[0]["GroupId"] for r in rules for p in r.get("UserIdGroupPairs", []))
     assert first[0].run("echo a").output == "a\n" and second[0].run("echo b").output == "b\n"
@@ -272,9 +278,7 @@ def wait_for(condition, timeout: float = 60.0) -> None:
 
 def test_launch_ls_logs_kill_down_from_the_command_line(aws, job_name, tmp_path, capsys):
     allreduce = Path(__file__).parent / "allreduce.py"
-    flags = ["--provider", "aws", "-n", "2", "--instance-type", "c5.large", "--image", IMAGE, "--zone", aws.zone,
-             "--vpc-cidr", aws.VPC_CIDR, "--private-ips", "--ssh-user", "root", "--no-shared-storage",
-             "--run-root", str(tmp_path / "runs")]
+    flags = [*cli_flags(aws), "-n", "2", "--run-root", str(tmp_path / "runs")]
     assert main(["launch", job_name, *flags, "--env", "OMP_NUM_THREADS=1", "--wait", "--", str(allreduce),
                  "{run_dir}"]) == 0
     run_dir = capsys.readouterr().out.split("run dir ", 1)[1].split(":", 1)[0]
@@ -385,3 +389,133 @@ def test_an_instance_terminated_mid_run_is_replaced_in_another_zone_and_the_run_
         assert results["lost_usd"] == pytest.approx(results["lost_s"] * 0.17 / 3600) and results["lost_usd"] > 0
     finally:
         main(["down", job_name])
+
+
+# --- when AWS, or the way to it, fails: one line, exit 3; when the user's input is wrong: exit 2 ---
+def error_of(capsys) -> str:
+    """The command's error: one line, the last on stderr (progress lines come before it), no traceback."""
+    err = capsys.readouterr().err
+    errors = [ln for ln in err.splitlines() if ln.startswith(("speedrun: error: ", "speedrun: internal error: "))]
+    assert len(errors) == 1 and err.splitlines()[-1] == errors[0] and "Traceback" not in err, err
+    return errors[0]
+
+
+@pytest.mark.parametrize("call", ["RunInstances", "CreateTags"])
+def test_a_reply_that_is_not_aws_at_launch_is_one_line_exit_3_and_leaves_nothing(aws, job_name, capsys, call):
+    # RunInstances: nothing starts. CreateTags (naming each new instance's task): the instances
+    # have started, so the launch must terminate them, as after any failure once they run.
+    aws.garble(call)
+    code = main(["launch", job_name, *cli_flags(aws), "-n", "2", "--", "-c", "pass"])
+    line = error_of(capsys)
+    assert code == 3 and line.startswith("speedrun: error: ") and call in line and "HTTP 502" in line, line
+    started = sorted(i["InstanceId"] for i in job_instances(aws, job_name))
+    assert len(started) == (0 if call == "RunInstances" else 2) and all(i in line for i in started)
+    assert live(job_instances(aws, job_name)) == [] and not registry.exists(job_name)
+    assert aws.client().describe_placement_groups()["PlacementGroups"] == []
+
+
+def test_aws_out_of_reach_is_exit_3_and_an_unknown_profile_exit_2(aws, monkeypatch, capsys):
+    import socket
+    with socket.socket() as s:  # a port on loopback that nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{closed}")
+    assert main(["launch", "unreachable", *cli_flags(aws), "--", "-c", "pass"]) == 3
+    line = error_of(capsys)
+    assert "cannot reach AWS" in line and "DescribeInstances" in line, line
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", aws.endpoint)
+    monkeypatch.setenv("AWS_PROFILE", "no-such-profile")
+    assert main(["launch", "no-profile", *cli_flags(aws), "--", "-c", "pass"]) == 2
+    assert "no-such-profile" in error_of(capsys)
+    assert aws.calls == []
+
+
+def test_aws_failing_inside_is_exit_3_and_a_bad_argument_exit_2(aws, job_name, capsys):
+    aws.fail("DescribeImages", "InternalError")  # AWS's own failure: try again later
+    assert main(["launch", job_name, *cli_flags(aws), "--", "-c", "pass"]) == 3
+    line = error_of(capsys)
+    assert "DescribeImages" in line and "InternalError" in line, line
+    aws.faults.clear()
+    aws.fail("DescribeImages", "InvalidAMIID.Malformed")  # the user's: their --image
+    assert main(["launch", job_name, *cli_flags(aws), "--", "-c", "pass"]) == 2
+    assert "InvalidAMIID.Malformed" in error_of(capsys)
+    assert "RunInstances" not in aws.calls and not registry.exists(job_name)
+
+
+def test_down_of_a_job_without_a_placement_group_never_asks_for_one(aws, job_name, capsys):
+    make_job(job_name, 1, **options(aws, placement_group=False))
+    for call in ("DescribePlacementGroups", "DeletePlacementGroup"):
+        aws.garble(call)  # asking would fail: it must not ask
+    aws.calls.clear()
+    assert main(["down", job_name]) == 0, capsys.readouterr().err
+    assert not {"DescribePlacementGroups", "DeletePlacementGroup"} & set(aws.calls)
+    assert live(job_instances(aws, job_name)) == [] and not registry.exists(job_name)
+
+
+def test_down_failing_midway_keeps_the_record_says_what_is_left_and_runs_again(aws, job_name, capsys):
+    make_job(job_name, 1, **options(aws))
+    (inst,) = live(job_instances(aws, job_name))
+    group = f"speedrun-{job_name}"
+
+    aws.garble("TerminateInstances")  # the reply is lost: the instance may or may not be going
+    assert main(["down", job_name]) == 3
+    line = error_of(capsys)
+    assert "TerminateInstances" in line and f"{inst['InstanceId']} may still run" in line and \
+        f"speedrun down {job_name}" in line, line
+    assert live(job_instances(aws, job_name)) != [] and registry.exists(job_name)
+
+    aws.faults.clear()
+    aws.garble("DeletePlacementGroup")  # the instance goes, its placement group stays
+    assert main(["down", job_name]) == 3
+    line = error_of(capsys)
+    assert "DeletePlacementGroup" in line and f"terminated {inst['InstanceId']}" in line and \
+        f"placement group {group} is left" in line and f"speedrun down {job_name}" in line, line
+    assert live(job_instances(aws, job_name)) == [] and registry.exists(job_name)
+    assert [g["GroupName"] for g in aws.client().describe_placement_groups()["PlacementGroups"]] == [group]
+
+    aws.faults.clear()
+    assert main(["down", job_name]) == 0  # run again: what was left goes, and then the record
+    assert aws.client().describe_placement_groups()["PlacementGroups"] == [] and not registry.exists(job_name)
+
+
+@pytest.mark.parametrize("cidr", ["0.0.0.0/1", "10.0.0.0/8", "198.50.0.0/15", "2001:db8::/32", "::/1"])
+def test_an_ssh_cidr_wider_than_a_16_is_refused_unless_allowed_by_name(aws, job_name, capsys, cidr):
+    assert main(["launch", job_name, *cli_flags(aws), "--ssh-cidr", cidr, "--", "-c", "pass"]) == 2
+    line = error_of(capsys)
+    assert f"--ssh-cidr {cidr}" in line and "--ssh-cidr-allow-wide" in line, line
+    assert aws.calls == [] and not registry.exists(job_name)  # refused before anything was asked of AWS
+
+
+def test_a_wide_ssh_cidr_is_admitted_only_with_its_override_and_never_the_whole_internet(aws, job_name, capsys):
+    jobs = {"a": dict(ssh_cidr="198.51.0.0/16"), "b": dict(ssh_cidr="2001:db8:1::/48"),  # as wide as they go
+            "c": dict(ssh_cidr="198.0.0.0/8", ssh_cidr_allow_wide=True)}
+    for suffix, extra in jobs.items():
+        make_job(f"{job_name}-{suffix}", 1, **options(aws, **extra))
+    (group,) = aws.client().describe_security_groups(
+        Filters=[{"Name": "group-name", "Values": ["speedrun"]}])["SecurityGroups"]
+    ssh = [rule for rule in group["IpPermissions"] if rule.get("FromPort") == 22]
+    assert sorted(r["CidrIp"] for rule in ssh for r in rule.get("IpRanges", [])) == ["198.0.0.0/8", "198.51.0.0/16"]
+    assert [r["CidrIpv6"] for rule in ssh for r in rule.get("Ipv6Ranges", [])] == ["2001:db8:1::/48"]
+    for suffix in jobs:
+        assert main(["down", f"{job_name}-{suffix}"]) == 0
+    capsys.readouterr()
+    assert main(["launch", job_name, *cli_flags(aws), "--ssh-cidr", "0.0.0.0/0", "--ssh-cidr-allow-wide",
+                 "--", "-c", "pass"]) == 2
+    assert "whole internet" in error_of(capsys)
+
+
+@pytest.mark.parametrize("key", ["AWS_CONTAINER_AUTHORIZATION_TOKEN", "AWS_BEARER_TOKEN_BEDROCK"])
+def test_watcher_env_refuses_every_aws_secret(key, capsys):
+    assert main(["launch", "wh", "--recover", "--watcher-host", "root@ctl", "--watcher-env", f"{key}=s3cr3t",
+                 "--", "x.py"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"speedrun: error: --watcher-env {key}: speedrun does not copy AWS credentials") and \
+        "\n" not in err and "s3cr3t" not in err
+
+
+def test_watcher_env_passes_a_path_to_a_token_file_on_the_controller(capsys):
+    # A file's path on the controller is no secret: past the refusal, the local provider's own error.
+    assert main(["launch", "wh", "--recover", "--watcher-host", "root@ctl", "--watcher-env",
+                 "AWS_WEB_IDENTITY_TOKEN_FILE=/var/run/token", "--", "x.py"]) == 2
+    assert "the local provider's machines cannot be watched from another host" in capsys.readouterr().err

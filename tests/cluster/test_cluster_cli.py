@@ -1,9 +1,11 @@
 """`speedrun launch | ls | logs | kill` from the command line (in this process: same code, no startup)."""
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 
-from cli_run import speedrun
+from cli_run import speedrun, wait_for
 from speedrun.cli import main
 
 
@@ -97,3 +99,65 @@ def test_ls_reads_a_failed_log_with_carriage_returns_as_log_lines(local_job):
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines()[1].split()[:5] == [job.name, "0", "local", "failed", "(1)"]
     assert f"{job.name} task 0" not in r.stdout  # reachable: no error line
+
+
+@pytest.mark.parametrize("text", ["[]", "{}", "not json", '{"name": "other-name", "num_tasks": 1}',
+                                  '{"name": "damaged", "num_tasks": 1, "provider": {"kind": "ssh"}, '
+                                  '"run_dir": "/x", "cwd": null}'])
+def test_a_damaged_job_record_is_skipped_by_ls_and_one_line_elsewhere(local_job, private_speedrun, text, capsys):
+    job = local_job()
+    job[0].run("echo hello", name="train")
+    damaged = private_speedrun / "home" / "jobs" / "damaged.json"
+    damaged.write_text(text)
+    try:
+        # ls lists every other job, and says in one line which record it skipped
+        assert main(["ls"]) == 0
+        captured = capsys.readouterr()
+        assert any(line.split()[:4] == [job.name, "0", "local", "succeeded"] for line in captured.out.splitlines())
+        assert captured.err.count("\n") == 1 and captured.err.startswith("speedrun: warning: "), captured.err
+        assert str(damaged) in captured.err
+        for argv in (["ls", "damaged"], ["kill", "damaged"], ["logs", "damaged"]):
+            assert main(argv) == 2
+            assert str(damaged) in error_line(capsys)
+    finally:
+        damaged.unlink()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--nproc-per-node", "0"], "--nproc-per-node must be at least 1, got 0"),
+    (["--window", "no spaces"], "bad --window 'no spaces'"),
+])
+def test_launch_refuses_bad_arguments_before_making_anything(flags, message, job_name, tmp_path, capsys):
+    from speedrun.cluster import registry
+    run_root = tmp_path / "runs"
+    assert main(["launch", job_name, "--run-root", str(run_root), *flags, "--", "x.py"]) == 2
+    assert message in error_line(capsys)
+    assert not run_root.exists() and not registry.exists(job_name)
+    sessions = subprocess.run(["tmux", "-L", "speedrun", "list-sessions", "-F", "#{session_name}"],
+                              capture_output=True, text=True).stdout.split()
+    assert f"{job_name}-0" not in sessions
+
+
+@pytest.mark.netns
+def test_logs_of_an_unreachable_task_is_one_line_and_exit_status_3(ssh_job, netns, capsys):
+    job = ssh_job()
+    job.run("echo started; sleep 300", background=True, name="train")
+    wait_for(lambda: all("started" in c.output() for c in job.commands()), 30, "both tasks to start")
+    # The network to host 1 goes silent (its link down): packets are dropped, nothing is refused.
+    netns.hosts[1].exec(["ip", "link", "set", "eth0", "down"], check=True)
+    try:
+        capsys.readouterr()
+        assert main(["logs", job.name, "1"]) == 3
+        captured = capsys.readouterr()
+        assert captured.out == ""
+        assert captured.err.count("\n") == 1, captured.err
+        assert captured.err.startswith(f"speedrun: task 1 ({netns.specs[1]}) is unreachable: ")
+        # the reachable task's log still comes; the unreachable one is named, and the status says so
+        assert main(["logs", job.name]) == 3
+        captured = capsys.readouterr()
+        assert captured.out == "[0] started\n"
+        assert captured.err.startswith(f"speedrun: task 1 ({netns.specs[1]}) is unreachable: ")
+        assert main(["logs", job.name, "0"]) == 0
+        assert capsys.readouterr().out == "started\n"
+    finally:
+        netns.hosts[1].exec(["ip", "link", "set", "eth0", "up"], check=True)

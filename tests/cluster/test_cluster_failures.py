@@ -7,6 +7,10 @@ network-namespace hosts, with real torchrun, `speedrun train` and tmux.
 - A host's torchrun never starts (torch is broken there): the rendezvous never completes, and
   torchrun's own join timeout (900 s) would keep task 0 "running"; launch's bounded one ends it,
   and `speedrun launch --wait` stops it at once.
+- A host's link goes down mid-run: `speedrun launch --wait` declares the host lost once ssh has
+  not reached it for a bounded time (not gloo's 300 s), stops the job and exits 3 naming the host.
+- `speedrun ls` quotes the line that says why a task ended, never noise (c10d's hostname warning,
+  the run's header line).
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_run import wait_for
+from cli_run import start, wait_for
 from netns import NetnsHost
 from speedrun.cli import main
 from test_cluster_e2e import ONE_THREAD, TRAIN, speedrun
@@ -126,3 +130,50 @@ def test_launch_wait_stops_the_others_when_a_task_fails(netns, shared_dir, job_n
 def test_a_bad_join_timeout_is_one_line(capsys):
     assert main(["launch", "bad-join", "--join-timeout", "0", "--", "x.py"]) == 2
     assert capsys.readouterr().err.strip() == "speedrun: error: --join-timeout must be a number of seconds above 0, got 0"
+
+
+@pytest.mark.parametrize("waiting", ["--wait", "--follow"])
+def test_launch_wait_stops_the_job_when_a_host_is_cut_off(netns, shared_dir, job_name, capsys, waiting):
+    run_root = shared_dir / "cut-off-runs"
+    ssh = ["--hosts", ",".join(netns.specs), "--identity", str(netns.client_key),
+           "--known-hosts", str(netns.known_hosts), "--run-root", str(run_root)]
+    launch = start("launch", job_name, *ssh, "--env", "OMP_NUM_THREADS=1", waiting, "--",
+                   *TRAIN, "--epochs", str(EPOCHS), "--out", "{run_dir}")
+    try:
+        wait_for(lambda: list(run_root.glob(f"{job_name}/run.*/steps.jsonl")), 300, "the first training steps")
+        netns.set_link(netns.hosts[1], False)
+        # Task 0 would wait in a collective for gloo's 300 s: the job layer must end it well before.
+        out, err = launch.communicate(timeout=200)
+    finally:
+        launch.kill()
+        netns.set_link(netns.hosts[1], True)
+    assert launch.returncode == 3, err
+    assert "Traceback" not in err, err
+    last = err.splitlines()[-1]  # before it, progress lines: "task 1 unreachable (...); stopping task(s) 0"
+    assert last.startswith(f"speedrun: host {netns.specs[1]} (task 1) unreachable: ") and last.endswith("; job stopped")
+    # With the link back, task 1 (whose collective waits, or fails once the stopped peer's reset
+    # reaches it) is killed at once; `ls` says so without quoting the c10d warnings that start
+    # every task's log here, or the trainer's header line.
+    assert main(["kill", job_name]) == 0
+    assert "(2 of 2 task(s))" in capsys.readouterr().out
+    reason = ls_reason(job_name, capsys)
+    assert reason.startswith(f"{job_name}: task 1 killed") and reason.endswith("; task 0 stopped by speedrun")
+    assert "c10d" not in reason and "recipe tiny" not in reason
+
+
+C10D_NOISE = "[W1201 16:10:45.365592007 socket.cpp:207] [c10d] The hostname of the client socket cannot be retrieved. err=-3"
+HEADER = "speedrun 0.1.0: recipe tiny, model resnet-fmnist-tiny, 6000 train / 1000 val images, 2 x cpu, fp32"
+
+
+def test_ls_quotes_the_reason_a_task_ended_not_noise(local_job, job_name, capsys):
+    job = local_job(num_tasks=2)
+    failing = job[0].run(f"echo '{C10D_NOISE}'; echo '{HEADER}'; nosuchprogram; echo '{C10D_NOISE}'; exit 1",
+                         background=True, name="train")
+    job[1].run(f"echo '{C10D_NOISE}'; echo '{HEADER}'; echo started; sleep 300", background=True, name="train")
+    failing.wait(timeout=60, check=False)
+    wait_for(lambda: "started" in job[1].command("train").output(), 60, "task 1 to start")
+    assert main(["kill", job_name]) == 0
+    capsys.readouterr()
+    first, second = ls_reason(job_name, capsys).split("; ")
+    assert first.startswith(f"{job_name}: task 0 failed (exit 1): ") and first.endswith("nosuchprogram: command not found")
+    assert second == "task 1 killed"

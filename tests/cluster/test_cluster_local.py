@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from speedrun.cluster import CommandFailed, make_job
+from speedrun.cluster import CommandFailed, SSHOptions, make_job
 from cli_run import wait_for
 from speedrun.errors import SpeedrunError
 
@@ -171,7 +171,7 @@ def test_sessions_are_replaced_without_a_hitch(local_job):
     for i in range(12):
         job = local_job(num_tasks=2)
         assert [r.output for r in job.run("echo up")] == ["up\n", "up\n"]
-        assert job.run_dir.endswith(f"run.{i + 1:02d}")
+        assert not job.reconnected and job.run_dir.endswith(f"run.{i + 1:02d}")
     job.kill()
     assert local_job(num_tasks=2)[1].run("echo up").output == "up\n"
 
@@ -183,6 +183,24 @@ def test_a_finished_job_gets_a_new_run_directory(local_job):
     assert not second.reconnected
     assert job.run_dir.endswith("/run.01") and second.run_dir.endswith("/run.02")
     assert Path(second.run_dir).parent == Path(job.run_dir).parent
+
+
+def ending(command) -> None:
+    """Hold `command` where its wrapper has written its exit status but tmux still shows its window
+    alive: the moment between the wrapper's last write and tmux closing the window, which a busy
+    machine stretches. (The command itself keeps running, so the moment lasts.)"""
+    Path(command.dir, "status").write_text("0\n")
+
+
+def test_a_finished_job_whose_window_is_still_closing_gets_a_new_run(local_job):
+    # A command has ended once its status is written; were its window, still open for a moment,
+    # taken for a running command, the next make_job would reconnect to the finished run (run.01
+    # again), and a launch there would write over its results.
+    job = local_job()
+    ending(job[0].run("sleep 300", background=True, name="train"))
+    second = local_job()
+    assert not second.reconnected
+    assert job.run_dir.endswith("/run.01") and second.run_dir.endswith("/run.02")
 
 
 def test_setup_runs_once_per_host_and_again_when_it_changes(local_job, tmp_path):
@@ -205,6 +223,15 @@ def test_failed_setup_is_reported_and_run_again(local_job, tmp_path):
     with pytest.raises(CommandFailed):
         local_job(setup=f"echo x >> {counter}; exit 1")
     assert counter.read_text() == "x\nx\n"  # a failed setup is not marked as done
+
+
+def test_a_failed_setup_is_reported_while_the_last_setup_window_closes(local_job):
+    # The setup window of the run before has ended but is still open: the new run must run its
+    # own setup (and report its failure), not reconnect to the old run.
+    job = local_job()
+    ending(job[0].run("sleep 300", background=True, name="setup"))
+    with pytest.raises(CommandFailed, match="setup on local failed with exit status 5.*no network"):
+        local_job(setup="echo no network; exit 5")
 
 
 def test_sync_copies_the_tree_without_git_data_and_runs(local_job, tmp_path):
@@ -324,6 +351,22 @@ def test_bad_input_is_a_one_line_error(local_job, tmp_path):
         make_job("x", hosts=["a"])
     with pytest.raises(SpeedrunError, match="sync directory"):
         make_job("x", sync=tmp_path / "missing")
+    # Each option is said to belong where it does: never "does not apply to the ssh provider" for
+    # an ssh option.
+    key = tmp_path / "key"
+    key.write_text("")
+    ssh_hosts = dict(provider="ssh", hosts=["root@gpu1"])  # refused before any host is contacted
+    with pytest.raises(SpeedrunError, match=r"^identity_file does not apply to the local provider: it is an "
+                                            r"option of provider='ssh'"):
+        make_job("x", identity_file=key)
+    with pytest.raises(SpeedrunError, match=r"^identity_file was given twice, as identity_file= and in ssh=SSHOptions"):
+        make_job("x", ssh=SSHOptions(identity_file=key), identity_file=key, **ssh_hosts)
+    with pytest.raises(SpeedrunError, match=r"^instance_type does not apply to the ssh provider: it is an option "
+                                            r"of provider='aws'"):
+        make_job("x", instance_type="p5.48xlarge", **ssh_hosts)
+    with pytest.raises(SpeedrunError, match=r"^unknown option identity for the ssh provider \(its options: "
+                                            r"known_hosts, identity_file, ssh_config, accept_new_host_keys"):
+        make_job("x", identity=key, **ssh_hosts)
     job = local_job()
     with pytest.raises(SpeedrunError, match="bad command name"):
         job[0].run("true", name="has space")

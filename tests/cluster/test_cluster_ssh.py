@@ -1,8 +1,10 @@
 """The ssh provider against real sshd servers in network namespaces (tests/netns.py)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
+import os
 import signal
 import subprocess
 import sys
@@ -133,6 +135,19 @@ def test_a_host_refusing_connections_is_a_clear_error(netns, shared_dir):
     assert "connection refused" in msg and f"{netns.hosts[0].address}:2222" in msg and "\n" not in msg
 
 
+def test_ssh_options_as_keywords_of_make_job_are_used(netns, shared_dir, job_name):
+    # The form of earlier releases, still in many scripts: the options as make_job's own keywords.
+    job = make_job(job_name, 2, provider="ssh", hosts=netns.specs, identity_file=str(netns.client_key),
+                   known_hosts=netns.known_hosts, run_root=str(shared_dir / "runs"))
+    try:
+        assert [r.output for r in job.run("echo up")] == ["up\n", "up\n"]
+        assert job.provider.record()["identity_file"] == str(netns.client_key.resolve())
+        assert job.provider.record()["known_hosts"] == str(netns.known_hosts.resolve())
+    finally:
+        job.kill()
+        job.close()
+
+
 def test_an_unknown_host_key_is_refused_unless_asked(netns, shared_dir, tmp_path):
     pinned = tmp_path / "known_hosts"  # empty: nothing known
     strict = SSHOptions(known_hosts=pinned, identity_file=netns.client_key)
@@ -260,11 +275,12 @@ def test_a_partitioned_host_is_reported_while_the_reachable_one_is_served(ssh_jo
         assert main(["ls", job.name]) == 0
         out = capsys.readouterr().out.splitlines()
         assert [ln.split()[3] for ln in out[1:3]] == ["running", "unreachable"]
-        assert out[3].startswith(f"  {job.name} task 1: ") and "did not finish within 5 s" in out[3]
+        assert out[3].startswith(f"  {job.name} task 1: ") and "no answer within 5 s" in out[3]
 
-        assert main(["logs", job.name]) == 0
-        logs = capsys.readouterr().out
-        assert "[0] started" in logs and f"[1] (task 1 ({netns.specs[1]}) is unreachable: " in logs
+        assert main(["logs", job.name]) == 3  # the reachable task's log, and the lost host named
+        captured = capsys.readouterr()
+        assert "[0] started" in captured.out and "unreachable" not in captured.out
+        assert captured.err.startswith(f"speedrun: task 1 ({netns.specs[1]}) is unreachable: ")
 
         assert main(["kill", job.name]) == 2
         captured = capsys.readouterr()
@@ -273,3 +289,40 @@ def test_a_partitioned_host_is_reported_while_the_reachable_one_is_served(ssh_jo
         assert job[0].command("train").state() == "killed"  # the reachable task was killed all the same
     finally:
         netns.hosts[1].exec(["ip", "link", "set", "eth0", "up"], check=True)
+
+
+def sshd_sessions(host) -> list[int]:
+    """The sshd processes serving connections on a namespace host (not its listening sshd)."""
+    out = subprocess.run(["ip", "netns", "pids", host.namespace], capture_output=True, text=True).stdout
+    found = []
+    for pid in map(int, out.split()):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:  # it ended since
+            continue
+        if argv.startswith(b"sshd") and pid != host.sshd.pid:
+            found.append(pid)
+    return found
+
+
+def test_a_master_connection_that_stopped_answering_is_replaced_at_once(ssh_job, netns, capsys):
+    from speedrun.cli import main
+    job = ssh_job()
+    job.run("sleep 300", background=True, name="train")
+    # The state a link that went down and came back leaves behind (TCP backing off its
+    # retransmissions for many seconds): the master here runs and its socket answers, but its
+    # connection to the host carries nothing, while a new connection would. Here the host's sshd
+    # serving the master is stopped (the host and its listening sshd are fine).
+    sessions = sshd_sessions(netns.hosts[1])
+    assert sessions
+    for pid in sessions:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        capsys.readouterr()
+        assert main(["kill", job.name]) == 0  # at once: not "unreachable" until the old connection recovers
+        assert "(2 of 2 task(s))" in capsys.readouterr().out
+        assert job[1].command("train").state() == "killed"
+    finally:
+        for pid in sessions:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

@@ -25,12 +25,15 @@
    logs, events and checkpoints outlive the machines), the data volume made from `data_snapshot`
    mounted read-only at `data_mount`, `data_s3` synced there, and the `autostop` watcher.
 
+Every AWS call runs inside awsapi.aws_errors: a failure is one line naming the call, exit status 2
+when the user's input or credentials are at fault, 3 when AWS or the way to it failed. `down`
+keeps the job's record until everything of the job is gone, so that running it again finishes.
+
 Tested against moto, running as a server on 127.0.0.1 (tests/aws_server.py); nothing in the tests
 reaches AWS. docs/aws.md has the user's side: prerequisites, an example, cost, removal.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime as dt
 import ipaddress
@@ -42,9 +45,10 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from speedrun.cluster import registry
+from speedrun.cluster.awsapi import AWSFailed, NO_CREDENTIALS, aws_errors, boto3_module, error_code, track_calls
 from speedrun.cluster.hosts import AbsentHost, Host
 from speedrun.cluster.job import parallel
 from speedrun.cluster.provider import Billing, Provider
@@ -83,8 +87,9 @@ QUOTAS = {
 STANDARD_QUOTAS = (("Running On-Demand Standard (A, C, D, H, I, M, R, T, Z) instances", "L-1216C47A"),
                    ("All Standard (A, C, D, H, I, M, R, T, Z) Spot Instance Requests", "L-34B43A08"))
 CAPACITY_ERRORS = ("InsufficientInstanceCapacity", "InsufficientCapacity", "Unsupported")
-CREDENTIAL_ERRORS = ("AuthFailure", "UnrecognizedClientException", "InvalidClientTokenId", "SignatureDoesNotMatch",
-                     "ExpiredToken", "RequestExpired")
+# The widest ranges ssh_cidr may admit without ssh_cidr_allow_wide: a site's or a company's network,
+# never a good part of the internet (the rule is meant for the user's own address).
+WIDEST_SSH_PREFIX = {4: 16, 6: 48}
 
 
 @dataclass(frozen=True)
@@ -101,7 +106,8 @@ class AWSConfig:
     disk_gb: root volume size, GiB.
     ssh_user: the image's login user (ubuntu for Ubuntu images, ec2-user for Amazon Linux).
     ssh_cidr: addresses admitted to SSH; None: this machine's public address (/32), looked up once
-        per launch (or the VPC's own range with private_ips).
+        per launch (or the VPC's own range with private_ips). At most a /16 (IPv6: a /48) unless
+        ssh_cidr_allow_wide; never the whole internet (/0).
     private_ips: reach hosts at their private addresses (when launching from inside the VPC).
     vpc_cidr: the VPC's range when speedrun makes it; each zone gets a sixteenth of it.
     data_snapshot: an EBS snapshot id; each instance gets a volume made from it, mounted read-only at
@@ -123,6 +129,7 @@ class AWSConfig:
     disk_gb: int = 500
     ssh_user: str = "ubuntu"
     ssh_cidr: str | None = None
+    ssh_cidr_allow_wide: bool = False
     private_ips: bool = False
     vpc_cidr: str = "10.210.0.0/16"
     efs_mount: str = "/mnt/efs"
@@ -138,8 +145,8 @@ class AWSConfig:
             raise SpeedrunError(f"disk_gb must be at least 8 (GiB), got {self.disk_gb}")
         if self.autostop is not None and self.autostop <= 0:
             raise SpeedrunError(f"autostop must be a positive number of minutes, got {self.autostop}")
-        if self.ssh_cidr is not None:
-            check_ssh_cidr(self.ssh_cidr)
+        if self.ssh_cidr is not None:  # as AWS wants it: a network with its prefix
+            object.__setattr__(self, "ssh_cidr", check_ssh_cidr(self.ssh_cidr, self.ssh_cidr_allow_wide))
         for path in (self.efs_mount, self.data_mount):
             if not path.startswith("/"):
                 raise SpeedrunError(f"mount paths must be absolute, got {path!r}")
@@ -147,60 +154,26 @@ class AWSConfig:
             raise SpeedrunError(f"data_s3 must be an s3:// URL, got {self.data_s3!r}")
 
 
-def check_ssh_cidr(cidr: str) -> str:
-    """The CIDR, checked: a valid network, and never the whole internet."""
+def check_ssh_cidr(cidr: str, allow_wide: bool = False) -> str:
+    """The CIDR as a network (a bare address becomes a /32 or /128), checked: never the whole
+    internet, and no wider than WIDEST_SSH_PREFIX unless `allow_wide`."""
     try:
         net = ipaddress.ip_network(cidr, strict=False)
     except ValueError:
-        raise SpeedrunError(f"bad ssh_cidr {cidr!r}: write an address range such as 203.0.113.7/32") from None
+        raise SpeedrunError(f"bad ssh_cidr {cidr!r}: write an address range such as 198.51.100.7/32") from None
     if net.prefixlen == 0:
-        raise SpeedrunError(f"ssh_cidr {cidr} would open SSH to the whole internet; speedrun admits only your address")
+        raise SpeedrunError(f"ssh_cidr {cidr} would open SSH to the whole internet; speedrun admits only your address"
+                            + (" (--ssh-cidr-allow-wide does not change that)" if allow_wide else ""))
+    widest = WIDEST_SSH_PREFIX[net.version]
+    if net.prefixlen < widest and not allow_wide:
+        count = f"2^{net.max_prefixlen - net.prefixlen}" + (f" ({net.num_addresses:,})" if net.version == 4 else "")
+        raise SpeedrunError(f"--ssh-cidr {cidr} would admit {count} addresses to SSH; speedrun admits your address, "
+                            f"or a network of at most /{widest}: if you mean it, add --ssh-cidr-allow-wide "
+                            f"(ssh_cidr_allow_wide=True)")
     return str(net)
 
 
-# --- talking to AWS ---
-def boto3_module():
-    """boto3, or a SpeedrunError saying how to install it (it is an optional dependency)."""
-    try:
-        import boto3
-    except ImportError:
-        raise SpeedrunError("the AWS provider needs boto3: pip install 'speedrun[aws]'") from None
-    return boto3
-
-
-@contextlib.contextmanager
-def aws_errors(what: str) -> Iterator[None]:
-    """Turn botocore's exceptions into one-line SpeedrunErrors about `what` was being done."""
-    from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError, PartialCredentialsError
-    from botocore.exceptions import EndpointConnectionError, WaiterError
-    try:
-        yield
-    except (NoCredentialsError, PartialCredentialsError):
-        raise SpeedrunError(NO_CREDENTIALS) from None
-    except ClientError as e:
-        code, message = error_code(e), e.response.get("Error", {}).get("Message", "")
-        if code in CREDENTIAL_ERRORS:
-            raise SpeedrunError(f"AWS refused the credentials ({code}) to {what}: check them with "
-                                f"`aws sts get-caller-identity`") from None
-        if code == "UnauthorizedOperation":
-            raise SpeedrunError(f"your AWS credentials are not allowed to {what} (UnauthorizedOperation)") from None
-        raise SpeedrunError(f"cannot {what}: {code}: {message}") from None
-    except WaiterError as e:
-        raise SpeedrunError(f"gave up waiting to {what}: {e.last_response.get('Error', {}).get('Message') or e}") from None
-    except EndpointConnectionError as e:
-        raise SpeedrunError(f"cannot reach AWS to {what}: {e}") from None
-    except BotoCoreError as e:
-        raise SpeedrunError(f"cannot {what}: {e}") from None
-
-
-NO_CREDENTIALS = ("no AWS credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), "
-                  "or run `aws configure`")
-
-
-def error_code(e: Exception) -> str:
-    return getattr(e, "response", {}).get("Error", {}).get("Code", "")
-
-
+# --- talking to AWS (awsapi.py: boto3, errors as one line) ---
 def tags(name: str, **extra: str) -> list[dict[str, str]]:
     return [{"Key": "Name", "Value": name}, {"Key": MANAGED, "Value": "true"},
             *({"Key": k, "Value": v} for k, v in extra.items())]
@@ -223,13 +196,14 @@ class Session:
     def __init__(self, region: str | None):
         boto3 = boto3_module()
         from botocore.config import Config
-        session = boto3.Session()
-        self.region = region or session.region_name or "us-east-1"
-        if session.get_credentials() is None:
-            raise SpeedrunError(NO_CREDENTIALS)
-        config = Config(retries={"mode": "standard", "max_attempts": 4})
-        self.ec2 = session.client("ec2", region_name=self.region, config=config)
-        self.efs = session.client("efs", region_name=self.region, config=config)
+        with aws_errors("read the AWS configuration"):  # an unknown AWS_PROFILE, a bad region...
+            session = boto3.Session()
+            self.region = region or session.region_name or "us-east-1"
+            if session.get_credentials() is None:
+                raise SpeedrunError(NO_CREDENTIALS)
+            config = Config(retries={"mode": "standard", "max_attempts": 4})
+            self.ec2 = track_calls(session.client("ec2", region_name=self.region, config=config))
+            self.efs = track_calls(session.client("efs", region_name=self.region, config=config))
 
     def instances(self, filters: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Instances matching the filters, in any live state (not shutting down or terminated)."""
@@ -341,12 +315,15 @@ def ensure_ingress(s: Session, group: str, ssh_cidr: str) -> None:
         if not members:
             s.ec2.authorize_security_group_ingress(GroupId=group, IpPermissions=[
                 {"IpProtocol": "-1", "UserIdGroupPairs": [{"GroupId": group, "Description": "speedrun members"}]}])
+        # IPv4 and IPv6 ranges are separate lists, with keys of their own.
+        v6 = ipaddress.ip_network(ssh_cidr).version == 6
+        ranges, key = ("Ipv6Ranges", "CidrIpv6") if v6 else ("IpRanges", "CidrIp")
         ssh = any(r.get("IpProtocol") == "tcp" and r.get("FromPort") == 22 and
-                  any(x["CidrIp"] == ssh_cidr for x in r.get("IpRanges", [])) for r in rules)
+                  any(x[key] == ssh_cidr for x in r.get(ranges, [])) for r in rules)
         if not ssh:
             s.ec2.authorize_security_group_ingress(GroupId=group, IpPermissions=[
                 {"IpProtocol": "tcp", "FromPort": 22, "ToPort": 22,
-                 "IpRanges": [{"CidrIp": ssh_cidr, "Description": "speedrun: SSH from its user"}]}])
+                 ranges: [{key: ssh_cidr, "Description": "speedrun: SSH from its user"}]}])
             log.info("security group %s admits SSH from %s", group, ssh_cidr)
 
 
@@ -407,8 +384,8 @@ def wait_until(ready: Callable[[], bool], timeout: float, what: str, every: floa
     """Poll `ready` until it holds (AWS has no waiter for this), at most timeout seconds."""
     deadline = time.monotonic() + timeout
     while not ready():
-        if time.monotonic() > deadline:
-            raise SpeedrunError(f"gave up after {timeout:g} s waiting for {what}")
+        if time.monotonic() > deadline:  # AWS did not get there: not the user's doing
+            raise AWSFailed(f"gave up after {timeout:g} s waiting for {what}")
         time.sleep(every)
 
 
@@ -448,6 +425,8 @@ class AWSProvider(Provider):
         self.config_dir = str(registry.speedrun_home(config_dir))
         self._session: Session | None = None
         self._hosts: list[Host] = []
+        # The job's placement group, when it has one (recorded: `down` asks for no group otherwise).
+        self.group: str | None = self.placement_group_name if config.placement_group else None
 
     @classmethod
     def from_args(cls, job: str, hosts: Sequence[str], ssh: SSHOptions | None,
@@ -465,11 +444,16 @@ class AWSProvider(Provider):
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> AWSProvider:
-        return cls(record["job"], AWSConfig(**record["config"]), record["config_dir"], launch=False)
+        # A record written before ssh_cidr had a bound: its rule is in AWS already, and down must work.
+        config = AWSConfig(**{"ssh_cidr_allow_wide": True, **record["config"]})
+        provider = cls(record["job"], config, record["config_dir"], launch=False)
+        provider.group = record.get("placement_group", provider.group)
+        return provider
 
     def record(self) -> dict[str, Any]:
         config = dataclasses.replace(self.config, region=self.session.region)
-        return {"kind": self.kind, "job": self.job, "config": dataclasses.asdict(config), "config_dir": self.config_dir}
+        return {"kind": self.kind, "job": self.job, "config": dataclasses.asdict(config), "config_dir": self.config_dir,
+                "placement_group": self.group}
 
     @property
     def session(self) -> Session:
@@ -527,7 +511,12 @@ class AWSProvider(Provider):
         in the job's zone(s), and with other_zones (a replacement) then the region's other zones in
         name order, unless `zone` pins one."""
         s, c = self.session, self.config
-        by_task = {i: inst for i, inst in s.job_instances(self.job).items() if i < count}
+        found = s.job_instances(self.job)
+        if any(tag_value(i, GROUP_TAG) or i["Placement"].get("GroupName") == self.placement_group_name
+               for i in found.values()):
+            self.group = self.placement_group_name  # launched into it earlier, whatever this launch says
+        by_task = {i: inst for i, inst in found.items() if i < count}
+        existing = len(by_task)
         fresh: set[str] = set()  # instances whose host keys are learned now (launched or started)
         stopped = [inst["InstanceId"] for inst in by_task.values() if inst["State"]["Name"] in ("stopping", "stopped")]
         started: list[str] = []
@@ -553,8 +542,7 @@ class AWSProvider(Provider):
                 group_zone = next((inst["Placement"]["AvailabilityZone"] for inst in by_task.values()
                                    if tag_value(inst, GROUP_TAG)
                                    or inst["Placement"].get("GroupName") == self.placement_group_name), None)
-                new = self.launch_instances(missing, order, net, key_name, group_zone)
-                launched = [inst["InstanceId"] for inst in new]
+                new = self.launch_instances(missing, order, net, key_name, group_zone, launched)
                 by_task.update(zip(missing, new))
                 fresh |= set(launched)
             ids = [by_task[i]["InstanceId"] for i in range(count)]
@@ -578,40 +566,46 @@ class AWSProvider(Provider):
         except BaseException as e:
             if started and not launched:
                 raise
-            raise self.undo(launched, e, job_had_instances=len(by_task) > len(launched)) from e
+            raise self.undo(launched, e, job_had_instances=existing > 0) from e
 
     def undo(self, launched: list[str], error: BaseException, *, job_had_instances: bool) -> BaseException:
         """Terminate the instances this launch started after `error` (and the job's placement group
         when the job has no other instance); the error to raise, naming them."""
         what = str(error) if isinstance(error, SpeedrunError) else f"interrupted ({type(error).__name__})"
+        kind = type(error) if isinstance(error, SpeedrunError) else SpeedrunError  # AWSFailed stays exit 3
         try:
             self.session.terminate(launched)
             if not job_had_instances:
                 self.delete_placement_group()
         except SpeedrunError as e2:
-            return SpeedrunError(f"{what}; what it launched could not be removed ({e2}): terminate "
-                                 f"{', '.join(launched) or 'its instances'} yourself (speedrun down {self.job})")
+            return (AWSFailed if isinstance(e2, AWSFailed) else kind)(
+                f"{what}; what it launched could not be removed ({e2}): terminate "
+                f"{', '.join(launched) or 'its instances'} yourself (speedrun down {self.job})")
         if not launched or not isinstance(error, SpeedrunError):
             return error
         log.info("terminated the instance(s) this launch started: %s", ", ".join(launched))
-        return SpeedrunError(f"{what}; terminated the {len(launched)} instance(s) it launched ({', '.join(launched)})")
+        return kind(f"{what}; terminated the {len(launched)} instance(s) it launched ({', '.join(launched)})")
 
     def delete_placement_group(self) -> None:
-        """Delete the job's placement group if it exists (once no instance is in it)."""
-        s, name = self.session, self.placement_group_name
+        """Delete the job's placement group if it has one and it exists (once no instance is in it)."""
+        s, name = self.session, self.group
+        if name is None:  # launched without one: nothing to ask AWS for
+            return
         with aws_errors(f"delete placement group {name}"):
             if s.ec2.describe_placement_groups(Filters=[{"Name": "group-name", "Values": [name]}])["PlacementGroups"]:
                 s.ec2.delete_placement_group(GroupName=name)
 
     def launch_instances(self, tasks: list[int], zones: list[str], net: Network, key_name: str,
-                         group_zone: str | None = None) -> list[dict[str, Any]]:
+                         group_zone: str | None, started: list[str]) -> list[dict[str, Any]]:
         """run_instances for these task indices, all in one zone: the first of `zones` with capacity.
         group_zone: where the job's placement group has instances (None: it has none); launches in
-        another zone go without the group."""
+        another zone go without the group. The new instances' ids are added to `started` as soon as
+        AWS has started them, so that a failure after that (tagging them) terminates them."""
         s, c = self.session, self.config
         image = find_image(s, c.image, c.image_owner)
         if c.placement_group:
             ensure_placement_group(s, self.placement_group_name)
+            self.group = self.placement_group_name
         markets = ["spot", "on-demand"] if c.spot and c.on_demand_fallback else ["spot" if c.spot else "on-demand"]
         n, tried = len(tasks), []
         for market in markets:
@@ -634,6 +628,7 @@ class AWSProvider(Provider):
                     with aws_errors(f"launch {n} x {c.instance_type} in {zone}"):
                         raise
                 instances = r["Instances"]
+                started += [inst["InstanceId"] for inst in instances]
                 with aws_errors("tag the new instances"):
                     for i, inst in zip(tasks, instances):
                         s.ec2.create_tags(Resources=[inst["InstanceId"]],
@@ -734,17 +729,28 @@ class AWSProvider(Provider):
                        sum(p * u / 3600 for p, u in zip(prices, ups)), source)
 
     def down(self) -> list[str]:
+        """Terminate the job's instances, then delete its placement group (if it has one); the ids
+        terminated. When a step fails the error says what is left: the record stays (the CLI
+        forgets it only after this returns), and running `speedrun down JOB` again finishes."""
         s = self.session
+        again = f"the job's record is kept: run `speedrun down {self.job}` again"
         instances = list(s.job_instances(self.job).values())
         ids = [i["InstanceId"] for i in instances]
         if ids:
             log.info("terminating %s", ", ".join(ids))
-            s.terminate(ids)
+            try:
+                s.terminate(ids)
+            except SpeedrunError as e:
+                raise type(e)(f"{e}; {', '.join(ids)} may still run; {again}") from None
         for inst in instances:
             for address in (inst.get("PrivateIpAddress"), inst.get("PublicIpAddress")):
                 if address:
                     forget_host_key(self.known_hosts, address)
-        self.delete_placement_group()
+        try:
+            self.delete_placement_group()
+        except SpeedrunError as e:
+            done = f"terminated {', '.join(ids)}; " if ids else ""
+            raise type(e)(f"{e}; {done}placement group {self.group} is left; {again}") from None
         return ids
 
     def close(self) -> None:
@@ -927,8 +933,20 @@ def find_everything(region: str | None) -> Everything:
 
 
 def remove_everything(found: Everything, config_dir: str | os.PathLike | None = None) -> None:
-    """Terminate and delete what find_everything found, in dependency order."""
+    """Terminate and delete what find_everything found, in dependency order. When a step fails,
+    the error says so: what is left is found and removed by running it again."""
     s = Session(found.region)
+    try:
+        remove_found(s, found)
+    except SpeedrunError as e:
+        raise type(e)(f"{e}; the rest is left (and the job records kept): run `speedrun down --all` again") from None
+    if found.key_pairs:
+        for p in (key_path(s.region, config_dir), Path(f"{key_path(s.region, config_dir)}.pub")):
+            p.unlink(missing_ok=True)
+
+
+def remove_found(s: Session, found: Everything) -> None:
+    """remove_everything's steps, each of which raises when it fails."""
     s.terminate(found.instances)
     with aws_errors(f"remove speedrun's resources in {s.region}"):
         for name in found.placement_groups:
@@ -952,6 +970,3 @@ def remove_everything(found: Everything, config_dir: str | os.PathLike | None = 
             s.ec2.delete_vpc(VpcId=net.vpc)
         for name in found.key_pairs:
             s.ec2.delete_key_pair(KeyName=name)
-    if found.key_pairs:
-        for p in (key_path(s.region, config_dir), Path(f"{key_path(s.region, config_dir)}.pub")):
-            p.unlink(missing_ok=True)

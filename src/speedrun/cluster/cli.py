@@ -93,7 +93,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 # AWSConfig's fields that launch takes as options (default None: AWSConfig's own default).
 AWS_OPTIONS = ("instance_type", "image", "spot", "on_demand_fallback", "placement_group", "shared_storage", "region",
-               "zone", "disk_gb", "ssh_user", "ssh_cidr", "private_ips", "vpc_cidr", "data_snapshot", "data_s3",
+               "zone", "disk_gb", "ssh_user", "ssh_cidr", "ssh_cidr_allow_wide", "private_ips", "vpc_cidr",
+               "data_snapshot", "data_s3",
                "data_mount", "instance_profile", "autostop")
 
 
@@ -148,7 +149,10 @@ def add_launch_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--zone", help="launch in this zone only (default: the region's zones in turn)")
     g.add_argument("--disk-gb", type=int, help="root volume size, GiB (default 500)")
     g.add_argument("--ssh-user", help="the image's login user (default ubuntu)")
-    g.add_argument("--ssh-cidr", help="addresses allowed to SSH in (default: this machine's public address)")
+    g.add_argument("--ssh-cidr", help="addresses allowed to SSH in (default: this machine's public address); at "
+                                      "most a /16 (IPv6: a /48), never /0")
+    g.add_argument("--ssh-cidr-allow-wide", action="store_true", default=None,
+                   help="admit an --ssh-cidr wider than /16 (IPv6: /48) to SSH: a large part of the internet")
     g.add_argument("--private-ips", action="store_true", default=None,
                    help="reach hosts at their private addresses (launching from inside the VPC)")
     g.add_argument("--vpc-cidr", help="address range of the VPC speedrun makes (default 10.210.0.0/16)")
@@ -175,10 +179,12 @@ class StderrHandler(logging.Handler):
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from speedrun.cluster.job import JOIN_TIMEOUT_S, check_join_timeout, summary
+    from speedrun.cluster.hosts import HostLost
+    from speedrun.cluster.job import JOIN_TIMEOUT_S, check_join_timeout, check_nproc_per_node, summary
     from speedrun.cluster.lifecycle import make_job, save_record
     from speedrun.cluster.providers import make_provider
     from speedrun.cluster.ssh import HostSpec, SSHOptions
+    from speedrun.cluster.task import check_name
 
     show_progress()
 
@@ -198,13 +204,16 @@ def cmd_launch(args: argparse.Namespace) -> int:
         raise SpeedrunError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
     join_timeout_s = JOIN_TIMEOUT_S if args.join_timeout is None else check_join_timeout(args.join_timeout,
                                                                                          "--join-timeout")
+    # What job.launch would refuse, refused before make_job makes the sessions, run directory and record.
+    check_nproc_per_node(args.nproc_per_node, "--nproc-per-node")
+    check_name(args.window, "--window")
     if args.watcher_host is not None and not args.recover:
         raise SpeedrunError("--watcher-host needs --recover (it says where the recovering watcher runs)")
     watcher_host = None if args.watcher_host is None else str(HostSpec.parse(args.watcher_host))
     if args.watcher_env and watcher_host is None:
         raise SpeedrunError("--watcher-env needs --watcher-host (it sets variables for the watcher there)")
     watcher_env = parse_env(args.watcher_env, "--watcher-env", show=False)
-    for key in sorted(set(watcher_env) & AWS_SECRETS):
+    for key in sorted(k for k in watcher_env if is_aws_secret(k)):
         raise SpeedrunError(f"--watcher-env {key}: speedrun does not copy AWS credentials to the controller; give "
                             f"it its own (an instance role, or ~/.aws there; AWS_SHARED_CREDENTIALS_FILE=PATH names "
                             f"a credentials file on it)")
@@ -247,7 +256,11 @@ def cmd_launch(args: argparse.Namespace) -> int:
         return 0
     if not (args.follow or args.wait):
         return 0
-    results = wait_for_job(job, args.window, args.follow)
+    try:
+        results = wait_for_job(job, args.window, args.follow)
+    except HostLost as e:  # the others are stopped; one line names the host and why (exit 3)
+        print(f"speedrun: {e}", file=sys.stderr)
+        return EXIT_FAILED
     failed = [(t.index, r) for t, r in zip(job.tasks, results) if not r.ok]
     if failed:
         print(f"speedrun: job {job.name}: {summary(job.status(args.window))}", file=sys.stderr)
@@ -257,7 +270,18 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 # What --watcher-env refuses: AWS credentials themselves (a controller uses its own, never copies).
-AWS_SECRETS = {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN"}
+AWS_SECRETS = {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN",
+               "AWS_CONTAINER_AUTHORIZATION_TOKEN"}
+
+
+def is_aws_secret(key: str) -> bool:
+    """Whether --watcher-env must refuse `key`: an AWS credential, or any AWS_ token, secret or
+    password (AWS_BEARER_TOKEN_<SERVICE>...). A path to a file on the controller holding one
+    (AWS_WEB_IDENTITY_TOKEN_FILE...) is no secret."""
+    if key in AWS_SECRETS:
+        return True
+    return key.startswith("AWS_") and not key.endswith("_FILE") and \
+        any(word in key for word in ("SECRET", "TOKEN", "PASSWORD"))
 
 
 def parse_env(items: list[str], option: str, *, show: bool = True) -> dict[str, str]:
@@ -278,15 +302,18 @@ def wait_for_job(job: Job, window: str, follow: bool) -> list[Result]:
     if not follow:
         return job.wait(window, check=False)
     outcome: dict[str, Any] = {}
+    failed = threading.Event()  # the wait failed (a host lost): stop following, whatever still streams
 
     def waiter() -> None:
         try:
             outcome["results"] = job.wait(window, check=False)
         except BaseException as e:  # noqa: BLE001 - raised below, in the command's thread
             outcome["error"] = e
+            failed.set()
     thread = threading.Thread(target=waiter, daemon=True)
     thread.start()
-    job.logs(window, follow=True)
+    for line in job.logs(window, follow=True, until=failed):
+        print(f"speedrun: {line}", file=sys.stderr)
     thread.join()
     if "error" in outcome:
         raise outcome["error"]
@@ -307,15 +334,19 @@ def cmd_ls(args: argparse.Namespace) -> int:
     from speedrun.cluster.job import summary
     from speedrun.cluster.lifecycle import open_job
 
-    records = [registry.load(args.name)] if args.name else registry.load_all()
-    if not records:
-        print("no jobs (start one with `speedrun launch`)")
-        return 0
+    # A damaged record hides nothing but itself: one line each, and the other jobs are listed.
+    records, skipped = ([registry.load(args.name)], []) if args.name else registry.read_all()
     rows = [("JOB", "TASK", "HOST", "STATE", "UPTIME", "RUN DIR")]
     money = [("JOB", "MACHINES", "MARKET", "RUNNING", "UPTIME", "PRICE", "COST SO FAR", "PRICES FROM")]
     why = []  # after the table: per job, why it is not simply running or done; per unreachable task, why
     for rec in records:
-        job = open_job(rec.name, probe=False)
+        try:
+            job = open_job(rec.name, probe=False)
+        except SpeedrunError as e:
+            if args.name:
+                raise
+            skipped.append(str(e))
+            continue
         states = job.status(args.window or rec.window)
         for st in states:
             rows.append((rec.name, str(st.index), st.host, st.state, format_uptime(st.uptime_s), rec.run_dir))
@@ -328,6 +359,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
             money.append((rec.name, b.instance_type, b.market, str(b.count), format_uptime(b.uptime_s),
                           "?" if b.price_per_hour is None else f"${b.price_per_hour:,.2f}/h",
                           "?" if b.cost is None else f"${b.cost:,.2f}", b.price_source))
+    for line in skipped:
+        print(f"speedrun: warning: skipped a job: {line}", file=sys.stderr)
+    if len(rows) == 1:
+        print("no jobs (start one with `speedrun launch`)")
+        return 0
     print_rows(rows)
     for line in why:
         print(f"  {line}")
@@ -360,8 +396,10 @@ def cmd_logs(args: argparse.Namespace) -> int:
     if args.task is not None and not 0 <= args.task < len(job):
         raise SpeedrunError(f"job {args.name} has tasks 0..{len(job) - 1}, not {args.task}")
     window = args.window or registry.load(args.name).window
-    job.logs(window, follow=args.follow, tasks=None if args.task is None else [args.task])
-    return 0
+    unreachable = job.logs(window, follow=args.follow, tasks=None if args.task is None else [args.task])
+    for line in unreachable:  # the others' logs came; a host out of reach is a lost one (exit 3)
+        print(f"speedrun: {line}", file=sys.stderr)
+    return EXIT_FAILED if unreachable else 0
 
 
 def cmd_kill(args: argparse.Namespace) -> int:

@@ -20,7 +20,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from speedrun.errors import SpeedrunError
+from speedrun.errors import SpeedrunError, TrainingFailed
+
+
+class HostUnreachable(SpeedrunError):
+    """The host did not answer: ssh could not connect, its connection broke, or nothing came back
+    within the time allowed. `reason` says which in a few words, e.g. "connection timed out"."""
+
+    def __init__(self, message: str, reason: str | None = None):
+        super().__init__(message)
+        self.reason = reason or message
+
+
+class HostLost(TrainingFailed):
+    """A host of a running job stopped answering for longer than a blip, so the job was stopped
+    (the CLI exits with status 3): "host H (task K) unreachable: <reason>; job stopped"."""
+
+    def __init__(self, host: str, task: int, reason: str):
+        super().__init__(f"host {host} (task {task}) unreachable: {reason}; job stopped")
+        self.host, self.task, self.reason = host, task, reason
 
 
 @dataclass
@@ -54,8 +72,9 @@ class Host(ABC):
     def shell(self, script: str, *, timeout: float | None = None) -> ShellResult:
         """Run `script` with bash on the host and wait for it (timeout in seconds, None: no limit).
 
-        Raises SpeedrunError when the host cannot be reached; the script's own failures are in
-        the result's returncode and stderr.
+        Raises HostUnreachable when the host cannot be reached or does not answer within the
+        timeout, SpeedrunError when it refuses us (a host key, a login); the script's own failures
+        are in the result's returncode and stderr.
         """
 
     @abstractmethod
@@ -127,25 +146,25 @@ class LocalHost(Host):
 
 class AbsentHost(Host):
     """A machine that is not there now (a stopped or terminated instance): every operation raises
-    SpeedrunError(`why`), which `speedrun ls` shows as unreachable."""
+    HostUnreachable(`why`), which `speedrun ls` shows as unreachable."""
 
     def __init__(self, name: str, why: str):
         self.name, self.why = name, why
 
     def shell(self, script: str, *, timeout: float | None = None) -> ShellResult:
-        raise SpeedrunError(self.why)
+        raise HostUnreachable(self.why)
 
     def start_shell(self, script: str) -> subprocess.Popen:
-        raise SpeedrunError(self.why)
+        raise HostUnreachable(self.why)
 
     def put(self, local: Path, remote: str, *, exclude: Sequence[str] = (), mirror: bool = False) -> None:
-        raise SpeedrunError(self.why)
+        raise HostUnreachable(self.why)
 
     def get(self, remote: str, local: Path) -> None:
-        raise SpeedrunError(self.why)
+        raise HostUnreachable(self.why)
 
     def interactive_argv(self, argv: Sequence[str]) -> list[str]:
-        raise SpeedrunError(self.why)
+        raise HostUnreachable(self.why)
 
 
 def copy_path(src: Path, dst: Path, *, exclude: Sequence[str] = ()) -> None:

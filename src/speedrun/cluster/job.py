@@ -15,6 +15,7 @@ import math
 import os
 import re
 import shlex
+import subprocess
 import sys
 import threading
 from dataclasses import dataclass
@@ -22,9 +23,11 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence, TextIO, TypeVar
 
 from speedrun.cluster import tmux
+from speedrun.cluster.hosts import HostLost, HostUnreachable
 from speedrun.cluster.provider import Provider
 from speedrun.cluster.tensorboard import TensorBoard, start_tensorboard
-from speedrun.cluster.task import Command, CommandFailed, CommandLost, Result, Task, check_name, tmux_message
+from speedrun.cluster.task import (Command, CommandFailed, CommandLost, Result, Task, check_name, tmux_message,
+                                   until_lost)
 from speedrun.errors import SpeedrunError
 
 log = logging.getLogger("speedrun.cluster")
@@ -119,6 +122,11 @@ STOPPED_BY = "stopped by speedrun"  # how a command that the job layer stopped i
 REASON_PATTERNS = (re.compile(r"^speedrun: \S"), re.compile(r"^\S*python[\d.]*: \S"),
                    re.compile(r"\b\w*(Error|Exception)\b: \S"), re.compile(r"\bSignal \d+ \(SIG\w+\) received"))
 REASON_CHARS = 200  # a reason longer than this is cut
+# Lines that never say why: c10d's warning that a peer's address has no host name (a reverse
+# lookup failed: hosts without a resolver, or whose addresses DNS does not name) and the
+# trainer's header line ("speedrun 0.1.0: recipe ...").
+NOISE_PATTERNS = (re.compile(r"\[c10d\] The hostname of the client socket cannot be retrieved"),
+                  re.compile(r"^speedrun \d\S*: recipe "))
 
 
 def check_join_timeout(seconds: float, what: str) -> float:
@@ -129,13 +137,24 @@ def check_join_timeout(seconds: float, what: str) -> float:
     return seconds
 
 
-def telling_line(lines: Sequence[str]) -> str | None:
+def check_nproc_per_node(count: int, what: str) -> int:
+    """A number of processes per task as given (`what`: how the user gave it), or SpeedrunError if
+    it is below 1."""
+    if count < 1:
+        raise SpeedrunError(f"{what} must be at least 1, got {count}")
+    return count
+
+
+def telling_line(lines: Sequence[str], *, killed: bool = False) -> str | None:
     """The line of a failed command's last log lines that says why it failed (see REASON_PATTERNS),
-    else its last line that is not decoration; None for an empty log."""
+    else its last line that is neither decoration nor noise (NOISE_PATTERNS); None for a log
+    without one. For a command that was `killed` (a signal from outside) only a line that says why
+    counts: its last line says where it was, not why it ended."""
     # torchrun's failure table puts its fields as "key : value": the value is what says why.
-    text = [re.sub(r"^traceback\s+:\s+", "", ln.strip()) for ln in lines if ln.strip().strip("=-")]
+    text = [re.sub(r"^traceback\s+:\s+", "", ln.strip()) for ln in lines
+            if ln.strip().strip("=-") and not any(p.search(ln.strip()) for p in NOISE_PATTERNS)]
     found = next((ln for pattern in REASON_PATTERNS for ln in reversed(text) if pattern.search(ln)),
-                 text[-1] if text else None)
+                 text[-1] if text and not killed else None)
     if found is None or len(found) <= REASON_CHARS:
         return found
     return found[:REASON_CHARS - 3] + "..."
@@ -143,15 +162,26 @@ def telling_line(lines: Sequence[str]) -> str | None:
 
 def ended_badly(future: concurrent.futures.Future) -> str | None:
     """How a finished Command.wait shows its command ended, if not in success: "failed (exit N)",
-    "was killed", "ended without an exit status"; None for success or an error of ours (an
-    unreachable host is not a failed command)."""
+    "was killed", "ended without an exit status", "unreachable (<why>)" (its host stopped
+    answering: Command.wait gives up on it within a bounded time); None for success or another
+    error of ours."""
     e = future.exception()
     if isinstance(e, CommandLost):
         return "ended without an exit status"
+    if isinstance(e, HostUnreachable):
+        return f"unreachable ({e.reason})"
     if e is not None or future.result().ok:
         return None
     status = future.result().status
     return "was killed" if status == 137 else f"failed (exit {status})"
+
+
+def end_when(event: threading.Event, process: subprocess.Popen) -> None:
+    """Kill `process` once `event` is set, unless it has ended by then (asked each second)."""
+    while not event.wait(1.0):
+        if process.poll() is not None:
+            return
+    process.kill()
 
 
 def summary(states: Sequence[TaskStatus]) -> str | None:
@@ -241,8 +271,7 @@ class Job:
         Returns one Command per task.
         """
         check_name(name)
-        if nproc_per_node < 1:
-            raise SpeedrunError(f"nproc_per_node must be at least 1, got {nproc_per_node}")
+        check_nproc_per_node(nproc_per_node, "nproc_per_node")
         check_join_timeout(join_timeout_s, "join_timeout_s")
         text = command if isinstance(command, str) else shlex.join(command)
         # Also when reconnecting: a watcher started again with the same command takes over.
@@ -304,11 +333,26 @@ class Job:
         """Wait for the `name` command on every task (timeout in seconds); their Results.
 
         The tasks are one run: once a task's command has ended in failure (or without an exit
-        status), the commands still running on the others are stopped, each noting why for
-        `status`, rather than left waiting on a peer that is gone (a collective with a dead rank can
-        wait for the whole process-group timeout). With check, raise CommandFailed for the task
-        whose command failed first."""
-        commands = self.commands(name)
+        status), or its host has stopped answering, the commands still running on the others are
+        stopped, each noting why for `status`, rather than left waiting on a peer that is gone (a
+        collective with a dead rank can wait for the whole process-group timeout). A host that
+        stopped answering raises HostLost (whatever check says); with check, CommandFailed is
+        raised for the task whose command failed first."""
+        def find(t: Task) -> Command | HostUnreachable | None:
+            try:
+                return until_lost(t, lambda grace: t.command(name, timeout=grace))
+            except HostUnreachable as e:
+                return e
+        found = parallel(find, self.tasks)
+        missing = [i for i, c in enumerate(found) if c is None]
+        if missing:
+            raise SpeedrunError(f"job {self.name}: no command named {name!r} on task(s) {missing} in {self.run_dir}")
+        lost = [(i, e) for i, e in enumerate(found) if isinstance(e, HostUnreachable)]
+        if lost:  # gone before the wait began: the job is stopped all the same
+            i, e = lost[0]
+            self.stop_commands([c for c in found if isinstance(c, Command)], f"task {i} unreachable ({e.reason})")
+            raise HostLost(self.tasks[i].host.name, i, e.reason) from e
+        commands: list[Command] = found  # type: ignore[assignment]
         first_failed: int | None = None
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(32, len(commands))) as pool:
             futures = {pool.submit(c.wait, timeout=timeout, check=False): i for i, c in enumerate(commands)}
@@ -320,6 +364,10 @@ class Job:
                     first_failed, how = failed[0]
                     self.stop_commands([commands[futures[f]] for f in pending], f"task {first_failed} {how}")
         outcomes = sorted(futures.items(), key=lambda item: item[1])
+        lost = [(i, e) for f, i in outcomes if isinstance(e := f.exception(), HostUnreachable)]
+        if lost:
+            i, e = next(((i, e) for i, e in lost if i == first_failed), lost[0])
+            raise HostLost(self.tasks[i].host.name, i, e.reason) from e
         errors = [f.exception() for f, _ in outcomes if f.exception() is not None]
         if errors:
             raise errors[0]
@@ -364,7 +412,8 @@ class Job:
                 state = "succeeded" if s == "0" else f"failed ({s})"
             else:
                 state = s
-            why = f.get("stopped") or (telling_line(f["logline"].splitlines()) if "logline" in f else None)
+            why = f.get("stopped") or (telling_line(f["logline"].splitlines(), killed=state == "killed")
+                                       if "logline" in f else None)
             return TaskStatus(t.index, t.host.name, state, uptime, f"{f['dir']}/log" if "dir" in f else None,
                               why=why, ended=float(f["ended"]) if re.fullmatch(r"[\d.]+", f.get("ended", "")) else None)
         return parallel(one, self.tasks)
@@ -381,16 +430,18 @@ class Job:
         return [line for line in parallel(one, self.tasks) if line]
 
     def logs(self, name: str = "train", *, follow: bool = False, out: TextIO | None = None,
-             tasks: Sequence[int] | None = None) -> None:
+             tasks: Sequence[int] | None = None, until: threading.Event | None = None) -> list[str]:
         """Write the `name` command's log of each task to `out` (default stdout), lines prefixed with
-        `[i] ` when there are several tasks; with follow, keep writing until the commands end."""
+        `[i] ` when there are several tasks; with follow, keep writing until the commands end, or
+        until `until` is set (a host that went silent never ends its stream).
+        Returns a line for each task that could not be reached (its log is not written; none: all were)."""
         out = out or sys.stdout
         chosen = [self.tasks[i] for i in tasks] if tasks is not None else self.tasks
 
         def find(t: Task) -> Command | SpeedrunError | None:
             try:
                 return t.command(name, timeout=REACH_TIMEOUT_S)
-            except SpeedrunError as e:  # said in its place; the other tasks' logs still come
+            except SpeedrunError as e:  # returned; the other tasks' logs still come
                 return e
         commands = parallel(find, chosen)
         lock = threading.Lock()
@@ -406,18 +457,22 @@ class Job:
         def one(pair: tuple[Task, Command | SpeedrunError | None]) -> None:
             t, c = pair
             if isinstance(c, SpeedrunError):
-                emit(t, f"(task {t.index} ({t.host.name}) is unreachable: {c})\n".encode())
-            elif c is None:
+                return
+            if c is None:
                 emit(t, f"(no command named {name!r} on task {t.name})\n".encode())
             elif not follow:
                 emit(t, c.output().encode())
             else:
                 p = t.host.start_shell(tmux.follow_log(c.dir))
+                if until is not None:
+                    threading.Thread(target=end_when, args=(until, p), daemon=True).start()
                 for line in p.stdout:
                     emit(t, line)
                 p.wait()
 
         parallel(one, list(zip(chosen, commands)))
+        return [f"task {t.index} ({t.host.name}) is unreachable: {c}" for t, c in zip(chosen, commands)
+                if isinstance(c, SpeedrunError)]
 
     def attach(self, task: int = 0, window: str | None = None) -> int:
         """Attach this terminal to a task's tmux session (Ctrl-b d detaches); the exit status."""

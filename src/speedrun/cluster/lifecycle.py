@@ -107,7 +107,9 @@ def make_job(name: str, num_tasks: int = 1, *, provider: str | Provider = "local
     tmux_socket: the tmux server (`tmux -L <socket>`) that holds the job's sessions.
     ssh: how to reach ssh hosts (SSHOptions: known_hosts, identity_file, ssh_config,
         accept_new_host_keys). Host keys are checked strictly; accept_new_host_keys learns unknown
-        ones and pins them in known_hosts (default $SPEEDRUN_HOME/known_hosts).
+        ones and pins them in known_hosts (default $SPEEDRUN_HOME/known_hosts). For provider="ssh"
+        SSHOptions' fields may also come as keywords of their own (`identity_file=...`,
+        `known_hosts=...`), as earlier releases took them; not one field both ways.
     config_dir: speedrun's directory on this machine (default $SPEEDRUN_HOME or ~/.config/speedrun).
     """
     check_name(name, "job name")
@@ -248,7 +250,7 @@ def open_job(name: str, config_dir: str | os.PathLike | None = None, *, probe: b
 
     probe=False skips contacting the hosts (enough for status and kill; run and launch need it)."""
     rec, pinned = refreshed(registry.load(name, config_dir), config_dir)  # a watcher elsewhere may have moved tasks
-    prov = provider_from_record(rec.provider)
+    prov = provider_from_record(rec.provider, registry.path_of(name, config_dir))
     hosts_ = prov.hosts(rec.num_tasks)
     adopt_host_keys(rec, hosts_, pinned)  # and met a replacement there first
     sessions = [f"{name}-{i}" for i in range(rec.num_tasks)]
@@ -352,7 +354,7 @@ def stop_watcher(rec: registry.JobRecord, config_dir: str | os.PathLike | None =
         return None
     watcher = open_job(rec.watcher["job"], config_dir, probe=False)
     where = watcher[0].host.name
-    record = registry.speedrun_home(config_dir) / "jobs" / f"{watcher.name}.json"
+    record = registry.path_of(watcher.name, config_dir)
     unreachable = watcher.kill()
     if unreachable:
         return WatcherStop(False, f"its watcher on {where} could not be stopped ({unreachable[0]})", record)

@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from speedrun.cluster import registry
-from speedrun.cluster.aws import AWSProvider
+from speedrun.cluster.aws import AWSConfig, AWSProvider
 from speedrun.cluster.hosts import Host, LocalHost
 from speedrun.cluster.provider import Provider
 from speedrun.cluster.ssh import HostSpec, SSHHost, SSHOptions
-from speedrun.errors import SpeedrunError
+from speedrun.errors import SpeedrunError, one_line
 
 
 class LocalProvider(Provider):
@@ -66,9 +66,15 @@ class SSHProvider(Provider):
     def from_args(cls, job: str, hosts: Sequence[str], ssh: SSHOptions | None,
                   config_dir: str | os.PathLike | None, options: Mapping[str, Any]) -> SSHProvider:
         """`ssh` with its paths made absolute and checked; pinned keys in speedrun's own
-        known_hosts file under `config_dir` unless it names one."""
-        check_no_options(cls.kind, options)
+        known_hosts file under `config_dir` unless it names one. SSHOptions' fields may also come
+        as make_job's own keywords (`identity_file=...`, as earlier releases took them)."""
+        given = {k: v for k, v in options.items() if k in SSH_OPTIONS}
+        check_no_options(cls.kind, {k: v for k, v in options.items() if k not in SSH_OPTIONS})
         ssh = ssh or SSHOptions()
+        for k in sorted(given):
+            if getattr(ssh, k) != getattr(SSHOptions(), k):
+                raise SpeedrunError(f"{k} was given twice, as {k}= and in ssh=SSHOptions(...): give it once")
+        ssh = dataclasses.replace(ssh, **given)
         if ssh.identity_file is not None and not Path(ssh.identity_file).expanduser().is_file():
             raise SpeedrunError(f"identity file {ssh.identity_file} does not exist")
         return cls(hosts, dataclasses.replace(
@@ -126,11 +132,27 @@ class SSHProvider(Provider):
             h.close()
 
 
+# make_job's keywords that the ssh provider takes as its SSHOptions (identity_file=..., ...).
+SSH_OPTIONS = tuple(f.name for f in dataclasses.fields(SSHOptions))
+
+
 def check_no_options(kind: str, options: Mapping[str, Any]) -> None:
-    """SpeedrunError naming options given for a provider that takes none (e.g. instance_type for ssh)."""
-    if options:
-        raise SpeedrunError(f"{', '.join(sorted(options))} do(es) not apply to the {kind} provider "
-                            f"(they are options of provider='aws', --provider aws)")
+    """SpeedrunError for options given to a provider that does not take them (`kind`: the
+    provider's, or "given" for a Provider object), saying where each belongs: SSHOptions' fields
+    to provider='ssh', AWSConfig's to provider='aws'; any other is unknown."""
+    if not options:
+        return
+    owners = {**{k: "ssh" for k in SSH_OPTIONS}, **{f.name: "aws" for f in dataclasses.fields(AWSConfig)}}
+    for owner in ("ssh", "aws"):
+        names = sorted(k for k in options if owners.get(k) == owner)
+        if names:
+            it = "it is an option" if len(names) == 1 else "they are options"
+            raise SpeedrunError(f"{', '.join(names)} {'does' if len(names) == 1 else 'do'} not apply to the {kind} "
+                                f"provider: {it} of provider='{owner}' (--provider {owner})")
+    unknown = sorted(options)
+    takes = f"its options: {', '.join(SSH_OPTIONS)}" if kind == "ssh" else "it takes none"
+    raise SpeedrunError(f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} for the {kind} "
+                        f"provider ({takes})")
 
 
 def _absolute(path: str | os.PathLike | None) -> Path | None:
@@ -152,9 +174,17 @@ def make_provider(provider: str | Provider, job: str, hosts: Sequence[str] = (),
     return PROVIDERS[provider].from_args(job, hosts, ssh, config_dir, options or {})
 
 
-def provider_from_record(record: dict[str, Any]) -> Provider:
-    """The provider a job record describes."""
+def provider_from_record(record: dict[str, Any], path: Path | None = None) -> Provider:
+    """The provider a job record (in file `path`, named in errors) describes; SpeedrunError if the
+    record's provider part is not one this speedrun can read."""
+    where = f"the job record {path}" if path is not None else "a job record"
     kind = record.get("kind")
     if kind not in PROVIDERS:
-        raise SpeedrunError(f"unknown provider {kind!r} in a job record: this speedrun knows {', '.join(PROVIDERS)}")
-    return PROVIDERS[kind].from_record(record)
+        raise SpeedrunError(f"unknown provider {kind!r} in {where}: this speedrun knows {', '.join(PROVIDERS)}")
+    try:
+        return PROVIDERS[kind].from_record(record)
+    except (KeyError, TypeError, ValueError) as e:
+        why = f"its {kind} provider: {one_line(e)}"
+        if path is not None:
+            raise registry.damaged(path, why) from None
+        raise SpeedrunError(f"a job record is damaged ({why})") from None

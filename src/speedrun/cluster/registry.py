@@ -52,49 +52,87 @@ class JobRecord:
     watcher: dict[str, Any] | None = None
 
 
+def path_of(name: str, config_dir: str | os.PathLike | None = None) -> Path:
+    """Where job `name`'s record is (or would be)."""
+    return speedrun_home(config_dir) / "jobs" / f"{name}.json"
+
+
 def save(record: JobRecord, config_dir: str | os.PathLike | None = None) -> Path:
     """Write the record atomically; returns its path."""
-    d = speedrun_home(config_dir) / "jobs"
-    d.mkdir(parents=True, exist_ok=True)
-    path = d / f"{record.name}.json"
+    path = path_of(record.name, config_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
     files.write_text(path, json.dumps(asdict(record), indent=2))
     return path
 
 
 def exists(name: str, config_dir: str | os.PathLike | None = None) -> bool:
     """Whether a job named `name` was recorded here."""
-    return (speedrun_home(config_dir) / "jobs" / f"{name}.json").is_file()
+    return path_of(name, config_dir).is_file()
 
 
 def forget(name: str, config_dir: str | os.PathLike | None = None) -> None:
     """Remove job `name`'s record (its machines are gone)."""
-    (speedrun_home(config_dir) / "jobs" / f"{name}.json").unlink(missing_ok=True)
+    path_of(name, config_dir).unlink(missing_ok=True)
 
 
 def load(name: str, config_dir: str | os.PathLike | None = None) -> JobRecord:
-    """The record of job `name`; a SpeedrunError naming the known jobs if there is none."""
-    path = speedrun_home(config_dir) / "jobs" / f"{name}.json"
+    """The record of job `name`; a SpeedrunError naming the known jobs if there is none, or saying
+    which file to delete if it is damaged."""
+    path = path_of(name, config_dir)
     if not path.exists():
         known = ", ".join(r.name for r in load_all(config_dir)) or "none"
         raise SpeedrunError(f"no job named {name!r} was launched from here (known jobs: {known}); see `speedrun ls`")
-    try:
-        return _record(json.loads(path.read_text()))
-    except (ValueError, TypeError) as e:
-        raise SpeedrunError(f"the job record {path} is damaged ({e}): delete it and launch the job again")
+    return _read(path)
+
+
+def read_all(config_dir: str | os.PathLike | None = None) -> tuple[list[JobRecord], list[str]]:
+    """Every job record, oldest first, and for each damaged one a line saying so (as `load` would)."""
+    records, bad = [], []
+    for path in sorted((speedrun_home(config_dir) / "jobs").glob("*.json")):
+        try:
+            records.append(_read(path))
+        except SpeedrunError as e:
+            bad.append(str(e))
+    return sorted(records, key=lambda r: r.created), bad
 
 
 def load_all(config_dir: str | os.PathLike | None = None) -> list[JobRecord]:
-    """Every job record, oldest first (damaged ones are skipped)."""
-    records = []
-    for path in sorted((speedrun_home(config_dir) / "jobs").glob("*.json")):
-        try:
-            records.append(_record(json.loads(path.read_text())))
-        except (ValueError, TypeError):
-            continue
-    return sorted(records, key=lambda r: r.created)
+    """Every job record, oldest first (damaged ones are skipped; read_all says which)."""
+    return read_all(config_dir)[0]
 
 
-def _record(data: dict[str, Any]) -> JobRecord:
-    """A JobRecord from its JSON, ignoring fields that older versions wrote."""
+def damaged(path: Path, why: str) -> SpeedrunError:
+    """The error for a job record that cannot be used: which file, why, what to do."""
+    return SpeedrunError(f"the job record {path} is damaged ({why}): delete it and launch the job again")
+
+
+# A record's fields that every version wrote, and their JSON types: a file without them is no record.
+REQUIRED: dict[str, tuple[type, ...]] = {"name": (str,), "num_tasks": (int,), "provider": (dict,), "run_dir": (str,),
+                                         "cwd": (str, type(None))}
+
+
+def _read(path: Path) -> JobRecord:
+    """The JobRecord in `path`, ignoring fields that older versions wrote; SpeedrunError (see
+    `damaged`) when it is not one: not JSON, not an object, a field missing or of the wrong type,
+    another job's name."""
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise damaged(path, f"unreadable: {e.strerror}") from None
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise damaged(path, f"not JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise damaged(path, f"it holds a JSON {type(data).__name__}, not an object")
+    for key, kinds in REQUIRED.items():
+        if key not in data:
+            raise damaged(path, f"no {key}")
+        if not isinstance(data[key], kinds) or isinstance(data[key], bool):
+            raise damaged(path, f"{key} is {json.dumps(data[key])[:40]}")
+    if data["num_tasks"] < 1:
+        raise damaged(path, f"num_tasks is {data['num_tasks']}")
+    if data["name"] != path.stem:
+        raise damaged(path, f"it names job {data['name']!r}")
     known = {f.name for f in fields(JobRecord)}
     return JobRecord(**{k: v for k, v in data.items() if k in known})

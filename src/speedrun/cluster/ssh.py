@@ -5,16 +5,20 @@ everything else users already set up keep working. Around it speedrun adds:
 
 * Multiplexing: the first contact opens a master connection (ControlMaster, ControlPersist) and
   every later command rides on it, so a command costs a few milliseconds instead of a handshake.
+  A master that is dead, or whose connection carries nothing (as after a link flapped), is
+  replaced the first time it is used after that (see connect).
 * Strict host-key checking, always. A host whose key is unknown is refused, unless the user asked
   to learn keys on first contact (`accept_new_host_keys`); learned keys are pinned in speedrun's own
   known_hosts file. Keys the user already trusts (~/.ssh/known_hosts, or the UserKnownHostsFile
   their ssh config names) are honoured too. A changed key is refused in every mode.
 * Clear errors: ssh's failures (refused, unreachable, unknown or changed host key, no permission)
-  become one-line SpeedrunErrors saying what to do.
+  become one-line SpeedrunErrors saying what to do; HostUnreachable when the network or the host
+  failed us, with ssh's reason in a few words.
 * rsync over the same connection for files when both ends have it, tar through ssh otherwise.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -32,12 +36,15 @@ from pathlib import Path
 from typing import Sequence
 
 from speedrun.cluster import registry
-from speedrun.cluster.hosts import Host, ShellResult, run_prune
+from speedrun.cluster.hosts import Host, HostUnreachable, ShellResult, run_prune
 from speedrun.errors import SpeedrunError, last_line
 
 log = logging.getLogger("speedrun.cluster")
 
 CONTROL_PERSIST_S = 600  # how long an idle master connection stays up, seconds
+# How long a master connection this process has not seen answer gets to carry one command there
+# and back before it is replaced, seconds (at most half of the caller's time).
+PROBE_TIMEOUT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -165,35 +172,34 @@ class SSHHost(Host):
 
     # --- connection ---
     def connect(self, timeout: float | None = None) -> None:
-        """Open the master connection unless one is up; raise SpeedrunError when the host can't be
-        reached (within `timeout` seconds, if given)."""
+        """Open the master connection unless one is up and answers; raise HostUnreachable when the
+        host can't be reached (within `timeout` seconds, if given), SpeedrunError when it refuses us."""
         limit = self.options.connect_timeout + 30 if timeout is None else max(timeout, 0.1)
+        deadline = time.monotonic() + limit
         with self._lock:
             if self.control_path.exists():
                 if self._checked:
                     return
-                # Once per process: a socket left by a master that was killed would make every
-                # command fall back to a slow new connection, silently.
-                try:
-                    check = subprocess.run(["ssh", *self.ssh_options(), "-O", "check", self.spec.destination],
-                                           stdin=subprocess.DEVNULL, capture_output=True, timeout=min(30, limit))
-                except subprocess.TimeoutExpired:
-                    raise SpeedrunError(f"cannot connect to {self.name}: its connection did not answer within "
-                                        f"{min(30, limit):g} s") from None
-                if check.returncode == 0:
+                # A master this process has not seen answer (another process's, or one a command
+                # just failed on) may be dead, or alive with a connection that carries nothing: a
+                # link that went down and came back leaves TCP backing off its retransmissions
+                # for many seconds, while a new connection would work at once. One round trip
+                # tells; one that does not answer is replaced.
+                if self._master_answers(min(PROBE_TIMEOUT_S, limit / 2)):
                     self._checked = True
                     return
-                self.control_path.unlink(missing_ok=True)
+                self._stop_master()
             known_before = self._known_hosts_size()
+            remaining = max(deadline - time.monotonic(), 0.1)
             with tempfile.TemporaryFile() as err:  # a file, not a pipe: the master keeps it open
                 argv = ["ssh", *self.ssh_options(), "-o", "ControlMaster=yes",
                         "-o", f"ControlPersist={CONTROL_PERSIST_S}", "-f", "-N", self.spec.destination]
                 try:
                     r = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
-                                       timeout=limit)
+                                       timeout=remaining)
                 except subprocess.TimeoutExpired:
-                    raise SpeedrunError(f"cannot connect to {self.name}: no answer within "
-                                        f"{limit:g} s; check the address and network") from None
+                    raise HostUnreachable(f"cannot connect to {self.name}: no answer within {limit:g} s; check the "
+                                          f"address and network", f"no answer within {limit:g} s") from None
                 err.seek(0)
                 stderr = err.read().decode("utf-8", errors="replace")
             if r.returncode != 0:
@@ -202,6 +208,28 @@ class SSHHost(Host):
             if self._known_hosts_size() != known_before:
                 log.info("first contact with %s: its host key is now pinned in %s", self.name, self.options.known_hosts)
 
+    def _master_answers(self, timeout: float) -> bool:
+        """Whether the master connection runs (its socket answers) and carries a command to the
+        host and back within `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        if not self._master_runs(timeout):  # a socket left by a master that was killed
+            return False
+        try:
+            probe = subprocess.run(self.ssh_argv("-T") + ["true"], stdin=subprocess.DEVNULL, capture_output=True,
+                                   timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            return False
+        return probe.returncode == 0
+
+    def _stop_master(self) -> None:
+        """Make way for a new master: the old one stops taking commands (those on it end as they
+        will) and its socket goes, even when it does not answer."""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            subprocess.run(["ssh", *self.ssh_options(), "-O", "stop", self.spec.destination],
+                           stdin=subprocess.DEVNULL, capture_output=True, timeout=PROBE_TIMEOUT_S / 2)
+        self.control_path.unlink(missing_ok=True)
+        self._checked = False
+
     def _known_hosts_size(self) -> int:
         try:
             return self.options.known_hosts.stat().st_size
@@ -209,8 +237,14 @@ class SSHHost(Host):
             return 0
 
     def connection_error(self, stderr: str) -> SpeedrunError:
-        """A one-line SpeedrunError for an ssh failure, from ssh's stderr."""
-        return SpeedrunError(describe_ssh_failure(self.name, stderr, self.options))
+        """A one-line error for an ssh failure, from ssh's stderr: HostUnreachable when the network
+        or the host failed us, SpeedrunError when it refused us (a host key, a login)."""
+        message = describe_ssh_failure(self.name, stderr, self.options)
+        reason = unreachable_reason(stderr)
+        if reason is None:
+            return SpeedrunError(message)
+        self._checked = False  # whatever carried the command may be dead: check it before the next one
+        return HostUnreachable(message, reason)
 
     def close(self) -> None:
         """Close the master connection, if any."""
@@ -227,11 +261,28 @@ class SSHHost(Host):
             r = subprocess.run(self.ssh_argv("-T") + ["bash -s"], input=script.encode(), capture_output=True,
                                timeout=None if deadline is None else max(deadline - time.monotonic(), 0.1))
         except subprocess.TimeoutExpired as e:
-            raise SpeedrunError(f"a command on {self.name} did not finish within {timeout:g} s") from e
+            self._checked = False  # a slow host, or a master whose connection went silent: the next use tells
+            raise HostUnreachable(f"a command on {self.name} did not finish within {timeout:g} s",
+                                  f"no answer within {timeout:g} s") from e
         stderr = r.stderr.decode("utf-8", errors="replace")
         if r.returncode == 255 and looks_like_ssh_failure(stderr):
             raise self.connection_error(stderr)
+        if r.returncode == 255 and not self._master_runs():
+            # The master died under the command (ServerAlive gave up on a silent host): ssh says
+            # nothing of it, and the script's own status is lost.
+            self._checked = False
+            raise HostUnreachable(f"cannot reach {self.name}: its connection closed while a command ran",
+                                  "connection closed")
         return ShellResult(r.returncode, r.stdout, stderr)
+
+    def _master_runs(self, timeout: float = PROBE_TIMEOUT_S) -> bool:
+        """Whether the master connection's socket answers within `timeout` seconds (a local
+        question: no round trip to the host)."""
+        try:
+            return subprocess.run(["ssh", *self.ssh_options(), "-O", "check", self.spec.destination],
+                                  stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout).returncode == 0
+        except subprocess.TimeoutExpired:
+            return False
 
     def start_shell(self, script: str) -> subprocess.Popen:
         self.connect()
@@ -347,6 +398,23 @@ SSH_FAILURES = (
 def looks_like_ssh_failure(stderr: str) -> bool:
     """Whether stderr of an exit status 255 is ssh failing (rather than the remote command)."""
     return any(s in stderr for s in SSH_FAILURES) or stderr.lstrip().startswith("ssh:")
+
+
+# ssh's words for the network or the host failing us (not refusing us), and how a message puts it.
+UNREACHABLE = (("timed out", "connection timed out"), ("Connection refused", "connection refused"),
+               ("No route to host", "no route to host"), ("unreachable", "no route to host"),
+               ("Could not resolve hostname", "unknown host name"), ("Connection reset", "connection reset"),
+               ("Connection closed", "connection closed"), ("closed by remote host", "connection closed"),
+               ("kex_exchange_identification", "connection closed"), ("banner exchange", "connection closed"))
+
+
+def unreachable_reason(stderr: str) -> str | None:
+    """A few words on how the network or host failed ssh ("connection timed out"), or None when ssh
+    was refused (a host key, a login) or the text says nothing of the connection."""
+    if "Host key verification failed" in stderr or "REMOTE HOST IDENTIFICATION" in stderr \
+            or "Permission denied" in stderr:
+        return None
+    return next((reason for words, reason in UNREACHABLE if words in stderr), None)
 
 
 def describe_ssh_failure(host: str, stderr: str, options: SSHOptions) -> str:

@@ -11,20 +11,34 @@ script file; see tmux.py for the files it leaves in `task.logdir`.
 from __future__ import annotations
 
 import base64
+import math
 import os
 import posixpath
 import secrets
 import shlex
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence, TypeVar
 
 from speedrun.cluster import tmux
-from speedrun.cluster.hosts import Host
+from speedrun.cluster.hosts import Host, HostUnreachable
 from speedrun.errors import SpeedrunError, last_line
 
 TAIL_LINES = 3  # lines of output quoted in a CommandFailed message
+
+# Command.wait asks the host whether the command ended in rounds of this many seconds, and allows
+# a round this much longer before the host counts as not answering, seconds.
+WAIT_ROUND_S = 10.0
+ANSWER_GRACE_S = 10.0
+# A host that has not answered for this long, over two rounds or more, is lost, seconds: far
+# beyond a blip (a master connection being replaced) and far below the process group's timeout
+# (300 s) that a peer of a vanished rank would otherwise wait out.
+HOST_LOST_AFTER_S = 20.0
+RETRY_PAUSE_S = 1.0  # between a round that failed and the next, seconds
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -253,8 +267,23 @@ class Command:
 
     def wait(self, *, timeout: float | None = None, check: bool = True) -> Result:
         """Wait for the command to end (timeout in seconds) and return its Result; raise CommandFailed
-        if it failed and `check` is set."""
-        state = tmux.parse_fields(self.task._shell(tmux.wait_command(self.dir), timeout=timeout))["status"]
+        if it failed and `check` is set.
+
+        The host is asked in rounds of WAIT_ROUND_S seconds, each bounded, so a host that stops
+        answering (its link down, the machine gone) is noticed: once it has not answered for
+        HOST_LOST_AFTER_S seconds, over two failed rounds or more, HostUnreachable is raised (a
+        blip in between costs nothing)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise SpeedrunError(f"command {self.name!r} on task {self.task.name} did not end within {timeout:g} s")
+            span = WAIT_ROUND_S if left is None else max(min(WAIT_ROUND_S, left), 1.0)
+            script = tmux.wait_command(self.dir, max_s=math.ceil(span))
+            state = tmux.parse_fields(until_lost(self.task, lambda grace, script=script, span=span: self.task._shell(
+                script, timeout=None if grace is None else span + grace)))["status"]
+            if state != "running":
+                break
         if state == "lost":
             raise CommandLost(f"command {self.name!r} on task {self.task.name} ended without an exit status "
                               f"(killed hard, or its host restarted); log: {self.log_path}")
@@ -273,6 +302,24 @@ class Command:
         """Stop the command (SIGHUP to its window's processes); a no-op once it has ended. `reason`
         (one line, e.g. "stopped by speedrun: task 1 failed (exit 1)") is what status reports."""
         self.task._shell(tmux.stop_command(self.dir, reason=reason))
+
+
+def until_lost(task: Task, ask: Callable[[float | None], T]) -> T:
+    """ask(grace) until it returns: `grace` is how long beyond its own work it may wait for the
+    task's host (ANSWER_GRACE_S; None on this machine, which always answers). Failures to reach
+    the host are tried again, until it has not answered for HOST_LOST_AFTER_S over two tries or
+    more: then HostUnreachable, with the last failure's reason."""
+    answered, failures = time.monotonic(), 0
+    while True:
+        try:
+            return ask(None if task.host.is_local else ANSWER_GRACE_S)
+        except HostUnreachable as e:
+            failures += 1
+            silent = time.monotonic() - answered
+            if failures >= 2 and silent >= HOST_LOST_AFTER_S:
+                raise HostUnreachable(f"{task.host.name} (task {task.index}) has not answered for {silent:.0f} s: {e}",
+                                      e.reason) from e
+            time.sleep(RETRY_PAUSE_S)  # a host that refuses at once is not asked in a tight loop
 
 
 def tmux_message(stderr: str) -> str:

@@ -84,7 +84,8 @@ def parse_fields(text: str) -> dict[str, str]:
 
 def probe(socket: str, session: str, task_index: int, setup_mark: str, local: bool) -> str:
     """What make_job needs to know about a task's host: home, address, tmux, its session (and the
-    run directory, age and windows of that session), the last command number and the setup mark."""
+    run directory, age and windows of that session: `window=<dead> <name>`, dead 1 also for a window
+    whose command wrote its exit status), the last command number and the setup mark."""
     address = "echo ip=127.0.0.1" if local else (
         'set -- ${SSH_CONNECTION:-}\n'
         'if [ $# -ge 3 ]; then echo "ip=$3"; else set -- $(hostname -I 2>/dev/null); echo "ip=${1:-127.0.0.1}"; fi'
@@ -101,14 +102,25 @@ echo session=1
 rd=$(tm show-options -t "=$S:" -qv @speedrun_run_dir)
 echo "run_dir=$rd"
 tm display-message -p -t "=$S:" 'created=#{{session_created}}'
-tm list-panes -s -t "=$S:" -F 'window=#{{pane_dead}} #{{window_name}}'
 last=0
+declare -A ended=()
 for f in "$rd/task-{task_index}/cmds"/{"[0-9]" * SEQ_DIGITS}-*; do
     [ -d "$f" ] || continue
     b=${{f##*/}}; n=$((10#${{b%%-*}}))
     [ "$n" -gt "$last" ] && last=$n
+    # Its wrapper's pid (the window's process): ended once a status is written. The newest command
+    # of a pid decides, should the pid have been used before.
+    {{ read -r p < "$f/pid"; }} 2>/dev/null && [ -n "$p" ] || continue
+    if [ -s "$f/status" ]; then ended[$p]=1; else unset "ended[$p]"; fi
 done
 echo "last_seq=$last"
+# A window whose command wrote its status is dead, though tmux may show it alive for a moment
+# yet (the wrapper exits just after, and tmux closes the window later still, on a busy machine
+# long enough for a new run to be taken for the old one still running).
+tm list-panes -s -t "=$S:" -F '#{{pane_dead}} #{{pane_pid}} #{{window_name}}' | while read -r dead p name; do
+    [ -n "${{ended[$p]:-}}" ] && dead=1
+    echo "window=$dead $name"
+done
 """)
 
 
@@ -260,10 +272,12 @@ def command_state(cmd_dir: str) -> str:
     return script(f"d={q(cmd_dir)}{STATE}")
 
 
-def wait_command(cmd_dir: str, poll_s: float = 0.2) -> str:
-    """Block until the command has ended (checked every poll_s seconds), then print its state."""
+def wait_command(cmd_dir: str, poll_s: float = 0.2, max_s: int | None = None) -> str:
+    """Block until the command has ended (checked every poll_s seconds), or for at most max_s
+    whole seconds (then its state is `running`), then print its state."""
+    within = "" if max_s is None else f' && [ "$SECONDS" -lt {int(max_s)} ]'
     return script(f"""d={q(cmd_dir)}
-while cmd_running "$d"; do sleep {poll_s}; done{STATE}""")
+while cmd_running "$d"{within}; do sleep {poll_s}; done{STATE}""")
 
 
 def latest_body(task_dir: str, name: str) -> str:
