@@ -26,6 +26,7 @@ to the same model fed by one batch kept on the GPU (the synthetic rate, the mode
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -96,9 +97,13 @@ def gpu_path_agreement(tree: Path, size: int, batch: int, workers: int, device: 
         source = ImageFolderSource(tree, workers=workers, device=torch.device(device), loader=loader, draft=False)
         stream = source.train_stream(phase, Shard(), seed=0)
         stream.set_epoch(0)
-        it = iter(stream)
-        out.append([tuple(t.cpu() for t in next(it)) for _ in range(batches)])
-        stream.close()
+        # The epoch is left after a few batches: closed before the stream, so that the GPU path's
+        # decode thread ends before the workers it reads from, not at interpreter shutdown.
+        try:
+            with contextlib.closing(iter(stream)) as it:
+                out.append([tuple(t.cpu() for t in next(it)) for _ in range(batches)])
+        finally:
+            stream.close()
     labels_equal = all(torch.equal(a[1], b[1]) for a, b in zip(*out))
     diffs = [(a[0].float() - b[0].float()).abs() for a, b in zip(*out)]
     return {"device": device, "size": size, "batches": batches, "labels_equal": labels_equal,
@@ -131,6 +136,8 @@ def bench_torchvision(tree: Path, size: int, batch: int, workers: int, warmup: i
     from torch.utils.data import DataLoader
     from torchvision import datasets, transforms
 
+    from speedrun.data.loading import shutdown_workers
+
     tf = transforms.Compose([
         transforms.RandomResizedCrop(size),
         transforms.RandomHorizontalFlip(),
@@ -139,8 +146,11 @@ def bench_torchvision(tree: Path, size: int, batch: int, workers: int, warmup: i
     ])
     loader = DataLoader(datasets.ImageFolder(str(tree / "train"), tf), batch_size=batch, shuffle=True,
                         num_workers=workers, persistent_workers=workers > 0, drop_last=True)
-    rate, _ = _timed(_enough_epochs(lambda e: iter(loader)), warmup, batches)
-    return rate  # the workers end with `loader`, when this returns
+    try:
+        rate, _ = _timed(_enough_epochs(lambda e: iter(loader)), warmup, batches)
+    finally:  # the persistent workers end here, not whenever `loader` is collected
+        shutdown_workers(loader)
+    return rate
 
 
 def bench_prepare(tree: Path, dst: Path, workers: int, sizes: list[int]) -> dict:
@@ -220,9 +230,12 @@ def bench_train(tree: Path, model_name: str, size: int, batch: int, workers: int
 
 
 def save(path: Path | None, results: dict) -> None:
-    """Write what is measured so far (a run cut short by a timeout keeps its finished parts)."""
+    """Write what is measured so far (a run cut short by a timeout keeps its finished parts),
+    atomically: a process killed while writing leaves the previous parts, never half a file."""
+    from speedrun.files import write_text
+
     if path is not None:
-        path.write_text(json.dumps(results, indent=2))
+        write_text(path, json.dumps(results, indent=2))
 
 
 def main() -> None:
@@ -239,12 +252,15 @@ def main() -> None:
     p.add_argument("--train", metavar="MODEL", help="also time training of this model (speedrun's names: resnet50) on CUDA")
     p.add_argument("--train-loaders", nargs="+", default=["pil", "gpu"], help="--loader values to feed it (default pil gpu)")
     p.add_argument("--train-steps", type=int, default=60)
+    p.add_argument("--train-warmup", type=int, help="untimed --train steps first (default: 4 x workers + 10, past "
+                   "the prefetched queue, so the timed steps wait on the loader if it is slower)")
     p.add_argument("--train-device", default="cuda", help="device for --train (default cuda)")
     p.add_argument("--train-first", action="store_true", help="time --train before the rest (a run cut short keeps it)")
     p.add_argument("--json", type=Path, help="write the results here too")
     args = p.parse_args()
     warmup = args.warmup if args.warmup is not None else 2 * args.workers + 4
     batches = args.batches if args.batches is not None else max(30, 6 * args.workers)
+    train_warmup = args.train_warmup if args.train_warmup is not None else 4 * args.workers + 10
 
     from speedrun.data.dali import installed as dali_installed
 
@@ -264,8 +280,7 @@ def main() -> None:
     def train() -> None:
         results["train"] = []
         for size in args.sizes:
-            # Warm-up past the prefetched queue, so the timed steps wait on the loader if it is slower.
-            tr = bench_train(tree, args.train, size, args.batch, args.workers, 4 * args.workers + 10,
+            tr = bench_train(tree, args.train, size, args.batch, args.workers, train_warmup,
                              args.train_steps, args.train_device, tuple(args.train_loaders))
             results["train"].append(tr)
             save(args.json, results)
@@ -330,6 +345,7 @@ def main() -> None:
         shutil.rmtree(copies, ignore_errors=True)
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+    results["complete"] = True  # every part measured: gpu_check.sh tells this from a run cut short
     save(args.json, results)
 
 

@@ -27,6 +27,7 @@ import time
 import torch
 from torch import nn
 
+from speedrun.files import write_text
 from speedrun.learner import choose_precision, device_capability, train_step
 from speedrun.model import build_model
 from speedrun.optim import build_optimizer
@@ -98,10 +99,12 @@ def main() -> None:
         ratios = ", ".join(f"{v} {rates[v] / rates[reference]:.2f}x" for v in args.variants if v != reference)
         print(f"{size:>6} {batch:>6} " + " ".join(f"{rates[v]:>14.0f}" for v in args.variants) + f"   {ratios}", flush=True)
         rows.append({"size": size, "batch": batch, "images_per_s": {v: round(r, 1) for v, r in rates.items()}})
-        if args.json:  # after every size: a run cut short by a timeout keeps its finished rows
-            with open(args.json, "w") as f:
-                json.dump({"model": args.model, "device": name, "torch": torch.__version__, "steps": args.steps,
-                           "warmup": args.warmup, "rows": rows}, f, indent=2)
+        if args.json:  # after every size, atomically: a run cut short by a timeout keeps its finished rows
+            write_text(args.json, json.dumps({
+                "model": args.model, "device": name, "torch": torch.__version__, "steps": args.steps,
+                "warmup": args.warmup, "rows": rows,
+                "complete": len(rows) == len(args.sizes),  # gpu_check.sh tells this from a run cut short
+            }, indent=2))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -193,6 +194,23 @@ def test_an_epoch_left_midway_ends_its_decode_thread_and_the_next_epoch_is_whole
         assert len(list(stream)) == len(stream) == 6
     finally:
         stream.close()
+
+
+def test_close_with_an_epoch_still_open_ends_its_decode_thread_before_the_workers(tree):
+    # benchmarks/loader.py closed a stream while an epoch's iterator was still held: the decode
+    # thread then read from workers being shut down, and lived on into interpreter shutdown.
+    source = ImageFolderSource(tree, workers=1, device=CPU, loader="gpu")
+    stream = source.train_stream(PHASE, Shard(), 0)
+    stream.set_epoch(0)
+    batches = iter(stream)
+    next(batches)
+    workers = stream.worker_pids()
+    assert workers and "speedrun-gpu-decode" in [t.name for t in threading.enumerate()]
+    stream.close()
+    assert "speedrun-gpu-decode" not in [t.name for t in threading.enumerate()]
+    assert stream.worker_pids() == [] and not any(Path(f"/proc/{pid}").exists() for pid in workers)
+    with pytest.raises(StopIteration):  # the epoch left open ends; it does not restart the workers
+        next(batches)
 
 
 def test_a_tree_of_undecodable_files_is_one_clear_error(tmp_path):

@@ -3,6 +3,8 @@
 A device session has minutes, not hours: a key renamed between a benchmark's JSON and the
 summary that reads it must be found here, not there. This runs every step of the script with a
 tiny model and checks what each step hands to the next; the figures themselves mean nothing.
+The script's step runner (benchmarks/gpu_check_steps.sh) is also run alone on small commands that
+die at exit after writing their results, or run out of time: how it names them, what it keeps.
 """
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import json
 import os
 import subprocess
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -27,6 +31,9 @@ def test_gpu_check_runs_every_step_and_summarises_them(tmp_path):
     assert all(set(r["images_per_s"]) == variants for r in step["rows"])
     compiled = json.loads((out / "gpu-check-compile.json").read_text())
     assert set(compiled["rows"][0]["images_per_s"]) == {"speedrun", "+compile"}
+    # Each benchmark marks its results complete last, which run_step reads when a step ends badly.
+    feed = json.loads((out / "gpu-check-feed.json").read_text())
+    assert step["complete"] is compiled["complete"] is feed["complete"] is True
 
     summary = json.loads((out / "gpu-check-summary.json").read_text())
     assert summary["device"] == "cpu (GPU_CHECK_SMOKE: a check of the script alone)"
@@ -43,3 +50,47 @@ def test_gpu_check_runs_every_step_and_summarises_them(tmp_path):
     for name in ("imagenet-1x8", "imagenet-16x8"):
         assert name in projection
     assert "MLPerf" in projection
+
+
+def _run_step(tmp_path, seconds: int, code: str) -> tuple[subprocess.CompletedProcess, Path]:
+    """gpu_check.sh's step runner (benchmarks/gpu_check_steps.sh) on `python3 -c code` as step 2,
+    whose results go to $JSON; then the script's closing report."""
+    json_path = tmp_path / "gpu-check-x.json"
+    script = (f'source "{REPO}/benchmarks/gpu_check_steps.sh"\n'
+              f'run_step 2 {seconds} "$JSON" "{tmp_path}/x.txt" python3 -c "$CODE"; echo "run_step $?"\n'
+              f'report_steps "{tmp_path}"')
+    run = subprocess.run(["bash", "-c", script], env={**os.environ, "JSON": str(json_path), "CODE": code},
+                         capture_output=True, text=True, timeout=120)
+    return run, json_path
+
+
+WRITE = "import json, os, sys; open(os.environ['JSON'], 'w').write(json.dumps({'rows': [1], 'complete': %s}))\n"
+
+
+@pytest.mark.slow
+def test_a_step_that_dies_at_exit_after_writing_its_results_is_named_and_they_are_kept(tmp_path):
+    # What issue 23 saw: a benchmark wrote its results, then the interpreter died at exit (SIGSEGV).
+    crash_at_exit = WRITE % True + "import atexit, signal; atexit.register(os.kill, os.getpid(), signal.SIGSEGV)"
+    run, results = _run_step(tmp_path, 60, crash_at_exit)
+    assert run.returncode == 1 and "run_step 1" in run.stdout
+    assert (f"gpu_check: step 2 wrote all its results to {results}, then died at exit (SIGSEGV, exit 139); "
+            "they are kept and used") in run.stderr.splitlines()
+    assert run.stderr.splitlines()[-1] == ("gpu_check: 1 step(s) did not end cleanly (above); "
+                                           f"all logs and results are in {tmp_path}")
+    assert json.loads(results.read_text()) == {"rows": [1], "complete": True}
+
+
+@pytest.mark.slow
+def test_a_step_that_runs_out_of_time_keeps_its_partial_results_and_says_so(tmp_path):
+    hangs = WRITE % False + "import signal; signal.pause()"
+    run, results = _run_step(tmp_path, 1, hangs)
+    assert run.returncode == 1 and "run_step 1" in run.stdout
+    line = f"gpu_check: step 2 ran out of time (1 s); its partial results are kept in {results}"
+    assert line in run.stderr.splitlines()
+    assert json.loads(results.read_text())["rows"] == [1]
+
+
+@pytest.mark.slow
+def test_a_step_that_ends_cleanly_is_not_reported(tmp_path):
+    run, results = _run_step(tmp_path, 60, WRITE % True)
+    assert run.returncode == 0 and "run_step 0" in run.stdout and run.stderr == ""

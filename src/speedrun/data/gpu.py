@@ -256,22 +256,43 @@ class GpuDecodeTrainStream(ImageFolderTrainStream):
         # stream of its own, without waiting for the current one: on a stream that runs anything
         # else it could be handed memory that queued work still reads. This one runs nothing else.
         self._decode_stream = torch.cuda.Stream(device) if cuda else None
+        # The decode thread of each epoch still open (an iterator not yet exhausted or closed), with
+        # its stop event and queue: close() ends them before the workers they read from.
+        self._open: list[tuple[threading.Thread, threading.Event, queue.Queue]] = []
 
     def __iter__(self) -> Iterator[Batch]:
         ready: queue.Queue = queue.Queue(maxsize=1)  # one prepared batch ahead
         stop = threading.Event()
         worker = threading.Thread(target=self._produce, args=(ready, stop), name="speedrun-gpu-decode", daemon=True)
+        epoch = (worker, stop, ready)
+        self._open.append(epoch)
         worker.start()
         try:
-            while (item := ready.get()) is not _END:
+            # `stop` set here means close() ended this epoch's thread while the loop held it.
+            while not stop.is_set() and (item := ready.get()) is not _END:
                 if isinstance(item, BaseException):
                     raise item
                 yield self._hand_over(*item)
         finally:  # the epoch ended, or the loop stopped early: let the thread finish
-            stop.set()
-            with contextlib.suppress(queue.Empty):
-                ready.get_nowait()
-            worker.join()
+            self._end(epoch)
+
+    def _end(self, epoch: tuple[threading.Thread, threading.Event, queue.Queue]) -> None:
+        """Stop an epoch's decode thread and wait for it: at most the batch it is preparing."""
+        worker, stop, ready = epoch
+        stop.set()
+        with contextlib.suppress(queue.Empty):
+            ready.get_nowait()
+        worker.join()
+        with contextlib.suppress(ValueError):
+            self._open.remove(epoch)
+
+    def close(self) -> None:
+        """Stop the decode thread of any epoch still open, then the workers: a thread left
+        reading from workers being shut down fails, and one left running outlives the stream into
+        interpreter shutdown (benchmarks/loader.py closed streams with an epoch open)."""
+        for epoch in list(self._open):
+            self._end(epoch)
+        super().close()
 
     def _produce(self, ready: queue.Queue, stop: threading.Event) -> None:
         """The thread's loop: every batch of the epoch prepared and offered to `ready`, then _END

@@ -111,7 +111,13 @@ class ImageFolderTrainStream:
 
     def close(self) -> None:
         """Stop the workers now (not whenever the garbage collector gets to them)."""
-        it = self._dataloader._iterator
-        if it is not None and hasattr(it, "_shutdown_workers"):
-            it._shutdown_workers()
-        self._dataloader._iterator = None
+        shutdown_workers(self._dataloader)
+
+
+def shutdown_workers(loader: DataLoader) -> None:
+    """End `loader`'s persistent worker processes now and wait for them, rather than whenever
+    the garbage collector (or interpreter shutdown) gets to them. A later epoch starts new ones."""
+    it = loader._iterator  # DataLoader keeps the persistent iterator here
+    if it is not None and hasattr(it, "_shutdown_workers"):
+        it._shutdown_workers()
+    loader._iterator = None
