@@ -37,6 +37,16 @@ class RunState:
     target_epoch: int | None = None  # the epoch (1-based, as printed) whose evaluation reached the target
     world_size: int | None = None  # processes the run trains on; a resume must use as many
     interruptions: list[dict] = field(default_factory=list)  # what each resume cost (engine.interruption)
+    # The labels the weights mean, for `speedrun eval` to check other data against. Checkpoints
+    # before these fields have neither; `classes` is None for data without class names.
+    classes: list[str] | None = None  # class names in label order (an image folder's folders)
+    num_classes: int | None = None
+
+    def record_classes(self, source: Any) -> None:
+        """Note the labels of `source` (a DataSource) that the weights are trained on."""
+        names = getattr(source, "classes", None)
+        self.classes = [str(c) for c in names] if names is not None else None
+        self.num_classes = source.num_classes
 
 
 def save_run(writer: CheckpointWriter, path: Path, learner: Learner, state: RunState, cfg: TrainConfig) -> None:
@@ -113,9 +123,16 @@ def save_atomic(state: dict[str, Any], path: str | os.PathLike) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with files.replacing(path, fsync=True) as tmp, open(tmp, "wb") as f:
-        # A Python file, not a path: a full disk is then an OSError (ENOSPC), not a RuntimeError
-        # from the zip writer's C++ side.
-        torch.save(state, f)
+        try:
+            torch.save(state, f)
+        except (OSError, RuntimeError) as e:
+            # A disk that fills part-way through: the file's OSError (ENOSPC) reaches us as is, or
+            # as the zip writer's RuntimeError ("unexpected pos", raised while it closes the
+            # archive) with the OSError as its context. Either way: that OSError, naming the file.
+            failed = e if isinstance(e, OSError) else e.__context__
+            if not isinstance(failed, OSError):
+                raise
+            raise OSError(failed.errno, failed.strerror, str(path)) from None
 
 
 class CheckpointWriter:
@@ -152,6 +169,12 @@ class CheckpointWriter:
             self.last_written = label
         except BaseException as e:  # noqa: BLE001 - handed to the training thread
             self._error = e
+
+    def check(self) -> None:
+        """Raise the error of a write that has failed already; a write in progress is not waited
+        for. Cheap: call it after every step, so that a run stops as soon as a checkpoint fails."""
+        if self._thread is not None and not self._thread.is_alive():
+            self.wait()
 
     def wait(self) -> None:
         """Block until the last save is on disk; raise its error, if it failed."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import tempfile
 import traceback
@@ -41,9 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # for commands that re-launch themselves
     try:
-        return int(args.func(args) or 0)
-    except SpeedrunError as e:
-        return report(e, "error", EXIT_BAD_INPUT)
+        return int(run_command(args, as_program=argv is None) or 0)
+    except SpeedrunError as e:  # exit 2, or the error's own code (cluster.awsapi.AWSFailed: 3, AWS failed)
+        return report(e, "error", getattr(e, "exit_code", EXIT_BAD_INPUT))
     except TrainingFailed as e:
         return report(e, "training failed", EXIT_FAILED)
     except KeyboardInterrupt as e:
@@ -52,6 +53,19 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.NamedTemporaryFile("w", prefix="speedrun-crash-", suffix=".txt", delete=False) as f:
             traceback.print_exc(file=f)
         return report(e, "internal error", EXIT_INTERNAL, f" (traceback in {f.name})")
+
+
+def run_command(args: argparse.Namespace, as_program: bool) -> int | None:
+    """Run the command `args` names. As the program (`main()` reading sys.argv), its outcome is
+    settled once the command returns or raises (results written, exit code chosen): from then on
+    SIGTERM is ignored, so that a second one (torchrun's, a scheduler's) cannot turn exit 75 or
+    130 into death by signal (143) while Python tears down, which takes seconds with a big model.
+    Only SIG_IGN lasts through that: Python puts its own handlers back to the default there."""
+    try:
+        return args.func(args)
+    finally:
+        if as_program:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def report(error: BaseException, kind: str, code: int, suffix: str = "") -> int:

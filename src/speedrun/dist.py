@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
+import socket
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -18,6 +21,24 @@ from speedrun.errors import SpeedrunError
 
 # A collective that waits longer than this raises instead of hanging forever when a peer died.
 DEFAULT_TIMEOUT_S = 300
+# gloo's errors begin with the source file that raised them ("[.../gloo/transport/tcp/pair.cc:545]
+# Read error [10.0.0.2]:41234: Connection reset by peer. ..."), and torch passes them on as plain
+# RuntimeErrors, from DDP's buffer broadcast, its gradient all-reduce and any collective's wait.
+GLOO_ERROR = re.compile(r"^\[[^\]]*gloo[^\]]*\]\s*")
+PEER_ADDRESS = re.compile(r"\[([0-9A-Fa-f:.]+)\]:\d+")  # the other end of a gloo connection
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Where one rank runs, as it said when the group formed: its host name, its host's address
+    on the route to rank 0's host (MASTER_ADDR), and its process id."""
+
+    host: str
+    address: str
+    pid: int
+
+    def __str__(self) -> str:
+        return f"host {self.host}, {self.address}"
 
 
 @dataclass(frozen=True)
@@ -28,6 +49,7 @@ class DistContext:
     world_size: int
     local_rank: int
     device: torch.device
+    peers: tuple[Peer, ...] = ()  # every rank's, by rank; empty in a single process
 
     @property
     def is_main(self) -> bool:
@@ -75,7 +97,85 @@ def init_distributed(device_kind: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> 
             timeout=datetime.timedelta(seconds=timeout_s),
             device_id=device if device_kind == "cuda" else None,
         )
-    return DistContext(rank, world_size, local_rank, device)
+    peers: tuple[Peer, ...] = ()
+    if world_size > 1:  # who is where, to name the rank that died when a collective fails
+        everyone: list = [None] * world_size
+        dist.all_gather_object(everyone, this_peer())
+        peers = tuple(everyone)
+    return DistContext(rank, world_size, local_rank, device, peers)
+
+
+def this_peer() -> Peer:
+    """This process as a `Peer`. The address is the one the route to MASTER_ADDR leaves from,
+    which is the one other hosts see (a UDP socket's connect sends nothing)."""
+    address = "?"
+    try:
+        family, kind, _, _, target = socket.getaddrinfo(os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                                                        int(os.environ.get("MASTER_PORT", "0")) or 9,
+                                                        type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, kind) as s:
+            s.connect(target)
+            address = s.getsockname()[0]
+    except OSError:  # no route or no name: the host name alone names it
+        pass
+    return Peer(socket.gethostname(), address, os.getpid())
+
+
+def collective_failed(error: BaseException, ctx: DistContext) -> bool:
+    """Whether `error` is a collective that failed because a peer went away (its process died,
+    its host went down or was cut off, or it stopped answering until the timeout), rather than a
+    bug: a DistError (NCCL, the store), or a RuntimeError that gloo raised (by its message's
+    source location; torch does not wrap those). Only under a process group."""
+    if not ctx.distributed or not isinstance(error, RuntimeError):
+        return False
+    return isinstance(error, dist.DistError) or GLOO_ERROR.match(str(error)) is not None
+
+
+def peer_failure(error: BaseException, ctx: DistContext) -> str:
+    """One line for a failed collective (`collective_failed`): which rank probably died and
+    what the backend said, e.g. "a collective failed: rank 1 (host b, 10.0.0.2) probably died
+    (Read error [10.0.0.2]:41234: Connection reset by peer)"."""
+    said = GLOO_ERROR.sub("", str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__)
+    said = said.split(". This is typically")[0]  # gloo's generic advice
+    return f"a collective failed: {suspects(said, ctx)} probably died ({said})"
+
+
+def suspects(said: str, ctx: DistContext) -> str:
+    """The rank(s) that probably died, from what the backend `said` and what this rank can see:
+    the address of the connection that broke, and which processes on this host are gone."""
+    others = [r for r in range(ctx.world_size) if r != ctx.rank]
+    if not ctx.peers:
+        return "another rank"
+    me = ctx.peers[ctx.rank]
+    found = PEER_ADDRESS.search(said)
+    address = found.group(1).removeprefix("::ffff:") if found else None  # IPv4 as IPv6 too
+    candidates = [r for r in others if ctx.peers[r].address == address] or others
+    # A rank on this host whose process is gone is the one, whoever else shares the address.
+    gone = [r for r in candidates if (ctx.peers[r].host, ctx.peers[r].address) == (me.host, me.address)
+            and process_gone(ctx.peers[r].pid)]
+    candidates = gone or candidates
+    if len(candidates) == 1:
+        return f"rank {candidates[0]} ({ctx.peers[candidates[0]]})"
+    hosts = {str(ctx.peers[r]) for r in candidates}
+    where = f" ({hosts.pop()})" if len(hosts) == 1 else ""
+    if address and not where:
+        where = f" (at {address})"
+    who = f"one of ranks {', '.join(map(str, candidates))}" if len(candidates) <= 4 else "another rank"
+    return who + where
+
+
+def process_gone(pid: int) -> bool:
+    """Whether process `pid` of this host has ended (a zombie has)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def all_reduce_sum(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import json
 import math
 import os
 import time
@@ -24,7 +25,8 @@ from speedrun.checkpoint import CheckpointWriter, RunState, restore_run, save_ru
 from speedrun.config import TrainConfig
 from speedrun.data import build_source
 from speedrun.data.base import DataSource, TrainStream
-from speedrun.dist import DistContext, all_reduce_sum, broadcast_object, init_distributed, pick_device, shutdown
+from speedrun.dist import (DistContext, all_reduce_sum, broadcast_object, collective_failed, init_distributed,
+                           peer_failure, pick_device, shutdown)
 from speedrun.errors import SpeedrunError, TrainingFailed, stop_on_sigterm
 from speedrun.learner import (DeviceBatches, EvalSettings, Learner, build_learner, check_device_options,
                               configure_determinism, evaluate)
@@ -33,7 +35,7 @@ from speedrun.recipe import Phase, Recipe
 from speedrun.stopping import StopRequests
 from speedrun.track import Tracker, build_results, memory_mb, read_jsonl
 
-PEER_DIED = "another rank probably died"  # the launcher recognises collateral failures by this
+PEER_DIED = "probably died"  # in dist.peer_failure's line: the launcher recognises collateral failures by it
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
@@ -57,8 +59,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             state = RunState(world_size=ctx.world_size)
             if cfg.resume:
                 state = restore_run(cfg.out / "checkpoint.pt", learner, cfg, ctx.world_size)
+                if complete(state, recipe):
+                    return already_complete(cfg.out, state, ctx)
                 if ctx.is_main:  # before the tracker cuts the log back to the checkpoint
                     state.interruptions.append(interruption(cfg.out, state, cfg.process_start))
+            state.record_classes(source)  # for `speedrun eval` to check other data against
             tracker = Tracker(cfg.out, enabled=ctx.is_main, resume_step=state.step if cfg.resume else None)
             try:
                 if run_dir.note:
@@ -68,11 +73,19 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 tracker.close()
         finally:
             source.close()
+    except RuntimeError as e:
+        if not collective_failed(e, ctx):
+            raise
+        raise TrainingFailed(peer_failure(e, ctx)) from None
     finally:
-        if run_dir is not None:
-            run_dir.release()
-        restore_sigterm()
-        shutdown(ctx)
+        # The handler stays until the clean-up is done: a SIGTERM until then (torchrun's or a
+        # scheduler's second one) interrupts it, and does not kill the process in its middle.
+        try:
+            if run_dir is not None:
+                run_dir.release()
+            shutdown(ctx)
+        finally:
+            restore_sigterm()
 
 
 def run_epochs(
@@ -87,8 +100,7 @@ def run_epochs(
     streams = PhaseStreams(source, ctx, cfg.seed)
     writer = CheckpointWriter(last_written=f"{out / 'checkpoint.pt'} ({where(state)})" if cfg.resume else None)
     status = "interrupted"
-    # A resumed run that had reached its target is complete: nothing more to train.
-    first_epoch = state.epoch if state.target_epoch is None else recipe.epochs
+    first_epoch = state.epoch
     stops = StopRequests(ctx, out, cfg.spot_notice_url)
     last_save = time.time()
     try:
@@ -112,6 +124,7 @@ def run_epochs(
                     if state.step % cfg.log_every == 0 or i == steps - 1:
                         log_train_loss(loss, lr, epoch, state.step, ctx, tracker)
                     tracker.advance((i + 1 - skip) * images_per_step / max(time.time() - start, 1e-9))
+                    writer.check()  # a checkpoint that failed stops the run now, not at the next save
                     if stops.agreed():  # every rank stops after this same step
                         break
                     if ctx.is_main and cfg.checkpoint_minutes and time.time() - last_save >= 60 * cfg.checkpoint_minutes:
@@ -155,9 +168,10 @@ def run_epochs(
     except TrainingFailed:
         status = "failed"
         raise
-    except torch.distributed.DistError as e:
-        status = "failed"
-        raise TrainingFailed(f"a collective failed, {PEER_DIED}: {str(e).splitlines()[0]}") from None
+    except RuntimeError as e:
+        if collective_failed(e, ctx):  # a peer died: `train` says which; anything else is a bug
+            status = "failed"
+        raise
     except OSError as e:
         status = "failed"
         raise run_dir_error(e, out, writer.last_written) from None
@@ -186,6 +200,26 @@ def run_epochs(
         # the others as soon as one process exits.
         stops.barrier()
     return results
+
+
+def complete(state: RunState, recipe: Recipe) -> bool:
+    """Whether a checkpoint's run has nothing left to train: it reached its target or ran every epoch."""
+    return state.target_epoch is not None or state.epoch >= recipe.epochs
+
+
+def already_complete(out: Path, state: RunState, ctx: DistContext) -> dict[str, Any]:
+    """`--resume` of a complete run: say so and change nothing (no interruption is recorded: no
+    time was lost). Returns the run's results as results.json holds them."""
+    how = (f"reached its target at epoch {state.target_epoch}" if state.target_epoch is not None
+           else f"ran all {state.epoch} epochs")
+    if ctx.is_main:
+        print(f"{out} is complete (it {how}): nothing to resume; nothing was changed", flush=True)
+    status = "target_reached" if state.target_epoch is not None else "finished"
+    try:
+        results = json.loads((out / "results.json").read_text())
+    except (OSError, ValueError):  # removed, damaged, or on rank 0's host only: the checkpoint says how it ended
+        results = {}
+    return {**results, "status": status}
 
 
 def stop_here(stops: StopRequests, writer: CheckpointWriter, out: Path, learner: Learner, state: RunState,
