@@ -38,3 +38,11 @@ def fill(folder: Path) -> None:
                 f.write(b"\0" * 512)
         except OSError:
             pass
+
+
+def remount_read_only(path: Path) -> None:
+    """Make the tmpfs mounted at `path` read-only, with what was written there kept (root ignores
+    permission bits; a read-only file system it cannot)."""
+    done = subprocess.run(["mount", "-o", "remount,ro", str(path)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.fail(f"cannot remount {path} read-only: {done.stderr.strip()}")

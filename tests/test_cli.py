@@ -67,6 +67,8 @@ def test_two_recipe_problems_are_both_reported(tmp_path):
         (["--epochs", "0"], "--epochs must be positive"),
         (["--log-every", "0"], "--log-every must be at least 1"),
         (["--resume"], "no checkpoint at"),
+        (["--bucket-cap-mb", "-1"], "--bucket-cap-mb must be a size in MB above 0, got -1.0"),
+        (["--bucket-cap-mb", "nan"], "--bucket-cap-mb must be a size in MB above 0, got nan"),
     ],
 )
 def test_bad_options(tmp_path, args, expected):

@@ -184,3 +184,18 @@ def zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return False
+
+
+def test_cli_refuses_workers_below_one_and_a_read_only_destination(tmp_path, read_only_dir, capsys):
+    src = make_tree(tmp_path / "d", classes=2, train_per_class=2, val_per_class=1)
+    for argv, expected in (
+        (["prepare", str(src), str(tmp_path / "sz"), "--workers", "0"], "--workers must be at least 1, got 0"),
+        (["prepare", str(src), str(tmp_path / "sz"), "--workers", "-1"], "--workers must be at least 1, got -1"),
+        (["index", str(src), "--workers", "-1"], "--workers must be at least 1, got -1"),
+        (["index", str(src), "--workers", "0"], "--workers must be at least 1, got 0"),
+        (["prepare", str(src), str(read_only_dir / "sz"), "--workers", "1"], "is on a read-only file system"),
+    ):
+        assert main(["data", *argv]) == 2
+        err = capsys.readouterr().err
+        assert expected in err and len(err.strip().splitlines()) == 1, (argv, err)
+    assert not (tmp_path / "sz").exists()

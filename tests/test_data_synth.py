@@ -28,8 +28,8 @@ def test_imagenet_tree_is_imagenet_shaped(tmp_path, capsys):
 def test_imagenet_tree_is_deterministic(tmp_path):
     from speedrun.data.synth import imagenet_tree
 
-    imagenet_tree(tmp_path / "a", classes=1, train_per_class=3, val_per_class=1, workers=1)
-    imagenet_tree(tmp_path / "b", classes=1, train_per_class=3, val_per_class=1, workers=1)
+    imagenet_tree(tmp_path / "a", classes=2, train_per_class=3, val_per_class=1, workers=1)
+    imagenet_tree(tmp_path / "b", classes=2, train_per_class=3, val_per_class=1, workers=1)
     for p in (tmp_path / "a").rglob("*.JPEG"):
         assert p.read_bytes() == (tmp_path / "b" / p.relative_to(tmp_path / "a")).read_bytes()
 
@@ -67,3 +67,33 @@ def test_fmnist_tree_from_the_real_idx_files(tmp_path, capsys):
 def test_fmnist_tree_without_the_dataset_is_a_clear_error(tmp_path, capsys):
     assert main(["data", "synth", "fmnist-tree", str(tmp_path / "f"), "--source", str(tmp_path / "none")]) == 2
     assert "Fashion-MNIST not found" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind, args, expected", [
+    ("imagenet", ["--classes", "0"], "--classes must be at least 2"),
+    ("imagenet", ["--classes", "1"], "--classes must be at least 2"),
+    ("imagenet", ["--train-per-class", "0"], "--train-per-class must be at least 1"),
+    ("imagenet", ["--val-per-class", "-3"], "--val-per-class must be at least 1"),
+    ("imagenet", ["--workers", "-1"], "--workers must be at least 1"),
+    ("imagenet", ["--quality", "101"], "--quality must be 1..100"),
+    ("fmnist-tree", ["--train", "-5"], "--train must be at least 1"),
+    ("fmnist-tree", ["--val", "0"], "--val must be at least 1"),
+    ("fmnist-tree", ["--side", "100000"], "--side must be 28..2048 px"),
+    ("fmnist-tree", ["--side", "10"], "--side must be 28..2048 px"),
+    ("fmnist-tree", ["--seed", "-1"], "--seed must be 0 or more"),
+])
+def test_synth_refuses_what_it_cannot_make_in_one_line(tmp_path, capsys, kind, args, expected):
+    assert main(["data", "synth", kind, str(tmp_path / "t"), *args]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "t").exists()
+
+
+@pytest.mark.parametrize("kind", ["imagenet", "fmnist-tree"])
+def test_synth_into_a_file_or_a_read_only_folder_is_one_line(tmp_path, read_only_dir, capsys, kind):
+    (tmp_path / "afile").write_text("x")
+    for dst, expected in ((tmp_path / "afile", "is a file"), (tmp_path / "afile" / "sub", "is a file"),
+                          (read_only_dir / "t", "is on a read-only file system")):
+        assert main(["data", "synth", kind, str(dst), "--workers", "1"]) == 2
+        err = capsys.readouterr().err
+        assert expected in err and len(err.strip().splitlines()) == 1, err

@@ -53,3 +53,88 @@ def test_eval_of_a_directory_without_a_checkpoint_is_one_line(tmp_path):
     proc = speedrun("eval", str(tmp_path))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "no checkpoint" in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def folder_run(tmp_path_factory):
+    """One epoch of folder-small on a 3-class image folder."""
+    from test_data_helpers import make_tree
+
+    d = tmp_path_factory.mktemp("folder-eval")
+    make_tree(d / "data", classes=3, train_per_class=20, val_per_class=4, sizes=[(32, 32), (40, 32)])
+    proc = speedrun("train", "--recipe", "folder-small", "--data", str(d / "data"), "--epochs", "1", "--device", "cpu",
+                    "--workers", "1", "--out", str(d / "run"))
+    assert proc.returncode == 0, proc.stderr
+    return d
+
+
+def one_error_line(proc, code: int = 2) -> str:
+    assert proc.returncode == code and "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    return lines[0]
+
+
+@pytest.mark.slow
+def test_eval_refuses_data_with_other_classes_and_records_absolute_paths(folder_run):
+    import shutil
+
+    from test_data_helpers import make_tree
+
+    run = folder_run / "run"
+    renamed = folder_run / "renamed"  # the same images, one class folder named otherwise
+    shutil.copytree(folder_run / "data", renamed)
+    for split in ("train", "val"):
+        (renamed / split / "c01").rename(renamed / split / "zebra")
+    make_tree(folder_run / "four", classes=4, train_per_class=2, val_per_class=2, sizes=[(32, 32)])
+    for data, expected in ((renamed, "other classes than the checkpoint was trained on ('c02' where the run had 'c01'"),
+                           (folder_run / "four", "has 4 classes, the checkpoint was trained on 3")):
+        line = one_error_line(speedrun("eval", str(run), "--data", str(data), "--workers", "1"))
+        assert expected in line, line
+    assert not (run / "eval.jsonl").exists()
+    # The data it trained on, given relative to the working directory, is recorded absolute.
+    proc = speedrun("eval", str(run), "--data", "data", "--workers", "1", cwd=folder_run)
+    assert proc.returncode == 0, proc.stderr
+    assert read_jsonl(run / "eval.jsonl")[-1]["data"] == str(folder_run / "data")
+
+
+@pytest.mark.slow
+def test_eval_of_a_checkpoint_without_classes_checks_their_number(folder_run, tmp_path):
+    import shutil
+
+    import torch
+
+    run = tmp_path / "old"
+    shutil.copytree(folder_run / "run", run)
+    saved = torch.load(run / "checkpoint.pt", weights_only=False)
+    for key in ("classes", "num_classes"):  # as checkpoints before these fields were
+        saved["state"].pop(key, None)
+    torch.save(saved, run / "checkpoint.pt")
+    from test_data_helpers import make_tree
+
+    make_tree(tmp_path / "four", classes=4, train_per_class=2, val_per_class=2, sizes=[(32, 32)])
+    line = one_error_line(speedrun("eval", str(run), "--data", str(tmp_path / "four"), "--workers", "1"))
+    assert "has 4 classes, not as many as the checkpoint's weights were trained on" in line
+    proc = speedrun("eval", str(run), "--workers", "1")
+    assert proc.returncode == 0 and "records no class names" in one_error_line(proc, 0)
+
+
+@pytest.mark.slow
+def test_eval_of_a_read_only_run_prints_the_metrics_and_says_they_were_not_recorded(folder_run, small_disk):
+    import shutil
+
+    from fs_helpers import remount_read_only
+
+    run = small_disk / "run"
+    shutil.copytree(folder_run / "run", run)
+    remount_read_only(small_disk)
+    proc = speedrun("eval", str(run), "--workers", "1")
+    line = one_error_line(proc, 0)
+    assert "not recorded in" in line and "Read-only file system" in line
+    assert "top1" in proc.stdout and read_jsonl(run / "eval.jsonl") == read_jsonl(folder_run / "run" / "eval.jsonl")
+
+
+@pytest.mark.slow
+def test_eval_at_a_size_beyond_memory_is_one_line(folder_run):
+    line = one_error_line(speedrun("eval", str(folder_run / "run"), "--size", "100000", "--workers", "1"))
+    assert "--size 100000" in line and "does not fit" in line

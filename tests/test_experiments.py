@@ -157,3 +157,98 @@ def test_ablate_refuses_unknown_and_unused_tricks(tmp_path):
         proc = speedrun("ablate", "tiny", "--only", only, "--out", str(tmp_path / "a"))
         assert proc.returncode == 2 and expected in proc.stderr, proc.stderr
     assert not (tmp_path / "a").exists()
+
+
+@pytest.fixture(scope="module")
+def one_run(tmp_path_factory):
+    """A finished one-epoch run of the tiny recipe, under a long path (tables must not cut it)."""
+    out = tmp_path_factory.mktemp("cmp") / ("a-run-directory-with-a-name-longer-than-any-column-" + "x" * 40)
+    proc = speedrun("train", "--recipe", "tiny", "--epochs", "1", "--device", "cpu", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+def bad_runs(root, good) -> dict[str, str]:
+    """Run directories whose results.json is valid JSON of the wrong shape, by name: what stderr
+    must say about each."""
+    made = {"list": [], "string-recipe": {**results(good), "recipe": "tiny"},
+            "string-time": {**results(good), "time_to_target_s": "12 s"}}
+    for name, content in made.items():
+        (root / name).mkdir()
+        (root / name / "results.json").write_text(json.dumps(content))
+    (root / "cut").mkdir()
+    (root / "cut/results.json").write_text('{"status": "fini')
+    return {"list": "the whole file is []", "string-recipe": 'recipe is "tiny"', "string-time": 'time_to_target_s is "12 s"',
+            "cut": "is not JSON"}
+
+
+@pytest.mark.slow
+def test_compare_names_bad_runs_and_prints_the_rest_whole_when_piped(one_run, tmp_path):
+    import shutil
+
+    expected = bad_runs(tmp_path, one_run)
+    # A metrics line without wall_s (another tool's) is left out of the plot, not fatal.
+    odd = tmp_path / "odd-metrics"
+    shutil.copytree(one_run, odd)
+    with open(odd / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"epoch": 2, "top1": 0.5}) + "\n")
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}  # piped, as `speedrun compare ... | less`
+    proc = speedrun("compare", str(one_run), *(str(tmp_path / n) for n in expected), str(odd), "--plot", "p.png",
+                    cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr and "…" not in proc.stdout
+    for line in proc.stdout.splitlines():  # every run's row whole: full path, full status
+        if str(one_run) in line or str(odd) in line:
+            assert results(one_run)["status"] in line.split()
+    assert str(one_run) in proc.stdout and str(odd) in proc.stdout
+    for name, why in expected.items():
+        assert f"{tmp_path / name}" in proc.stderr and why in proc.stderr, (name, proc.stderr)
+    assert "left out 4 of 6" in proc.stderr
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_compare_with_only_bad_runs_is_one_line(one_run, tmp_path):
+    expected = bad_runs(tmp_path, one_run)
+    proc = speedrun("compare", *(str(tmp_path / n) for n in expected), "--plot", str(tmp_path / "p.png"))
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "nothing to compare" in proc.stderr and all(why in proc.stderr for why in expected.values())
+
+
+@pytest.mark.slow
+def test_compare_in_a_read_only_directory_costs_the_plot_not_the_table(one_run, read_only_dir):
+    for extra in ([], ["--plot", str(read_only_dir / "sub" / "p.png")]):
+        proc = speedrun("compare", str(one_run), *extra, cwd=read_only_dir)
+        assert proc.returncode == 0, proc.stderr
+        assert str(one_run) in proc.stdout and "Traceback" not in proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1 and "plot not written" in proc.stderr
+        assert "Read-only file system" in proc.stderr
+
+
+@pytest.mark.slow
+def test_compare_json_and_csv_give_the_table_to_scripts(one_run, tmp_path):
+    import csv
+
+    as_json = speedrun("compare", str(one_run), "--json", cwd=tmp_path)
+    assert as_json.returncode == 0, as_json.stderr
+    rows = json.loads(as_json.stdout)
+    assert [r["run"] for r in rows] == [str(one_run)] and rows[0]["status"] == results(one_run)["status"]
+    as_csv = speedrun("compare", str(one_run), "--csv", cwd=tmp_path)
+    assert as_csv.returncode == 0, as_csv.stderr
+    assert list(csv.DictReader(as_csv.stdout.splitlines())) == [{k: str(v) for k, v in r.items()} for r in rows]
+    assert (tmp_path / "compare.png").is_file()  # the plot is still written, by default here
+
+
+@pytest.mark.slow
+def test_ablate_refuses_no_trick_a_run_directory_and_a_read_only_out(one_run, read_only_dir, tmp_path):
+    before = sorted(p.name for p in one_run.iterdir())
+    for args, expected in (
+        (["--only", ",", "--out", str(tmp_path / "a")], "names no trick"),
+        (["--out", str(one_run)], "holds no ablation"),
+        (["--out", str(read_only_dir / "abl")], "Read-only file system"),
+        (["--out", str(one_run / "results.json")], "is a file"),
+    ):
+        proc = speedrun("ablate", "tiny", *args)
+        assert proc.returncode == 2 and expected in proc.stderr, (args, proc.stderr)
+        assert len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "a").exists() and sorted(p.name for p in one_run.iterdir()) == before

@@ -12,7 +12,7 @@ import torch
 from cli_run import speedrun, start, wait_for
 from fs_helpers import fill
 
-from speedrun.errors import SpeedrunError
+from speedrun.errors import EXIT_RESUMABLE, SpeedrunError
 from speedrun.track import read_jsonl
 
 TINY = ["train", "--recipe", "tiny", "--device", "cpu"]
@@ -97,10 +97,16 @@ def test_a_finished_run_without_checkpoint_is_never_overwritten(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def one_epoch(tmp_path_factory) -> Path:
+def stopped_run(tmp_path_factory) -> Path:
+    """A run stopped at a step early in the first of its two epochs: `--resume` has work to do
+    (resuming a complete run changes nothing)."""
     out = tmp_path_factory.mktemp("one") / "run"
-    proc = speedrun(*TINY, "--epochs", "2", "--checkpoint-every", "1", "--out", str(out))
-    assert proc.returncode == 0, proc.stderr
+    proc = start(*TINY, "--epochs", "2", "--log-every", "1", "--out", str(out))
+    steps = out / "steps.jsonl"
+    wait_for(lambda: steps.exists() and steps.read_text().count("}\n") >= 2, 300, "two steps")
+    proc.send_signal(signal.SIGTERM)  # stops after the step in progress, of some 180 left
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == EXIT_RESUMABLE, err
     return out
 
 
@@ -109,8 +115,8 @@ def copy_run(src: Path, dst: Path) -> Path:
     return dst
 
 
-def test_a_cut_last_line_is_dropped_and_a_damaged_one_named(one_epoch, tmp_path):
-    out = copy_run(one_epoch, tmp_path / "run")
+def test_a_cut_last_line_is_dropped_and_a_damaged_one_named(stopped_run, tmp_path):
+    out = copy_run(stopped_run, tmp_path / "run")
     for name in ("steps.jsonl", "metrics.jsonl"):
         with open(out / name, "a") as f:
             f.write('{"step": 99, "epo')  # the disk filled up mid-line
@@ -119,17 +125,18 @@ def test_a_cut_last_line_is_dropped_and_a_damaged_one_named(one_epoch, tmp_path)
     assert len(read_jsonl(out / "metrics.jsonl")) == 2
     assert (out / "steps.jsonl").read_text().endswith("}\n")
 
-    lines = (out / "metrics.jsonl").read_text().splitlines()
-    (out / "metrics.jsonl").write_text("\n".join([lines[0][:20], *lines[1:]]) + "\n")
-    one_line_error(speedrun(*TINY, "--epochs", "2", "--out", str(out), "--resume"), "metrics.jsonl, line 1")
+    out = copy_run(stopped_run, tmp_path / "again")  # that run is complete now: resuming it changes nothing
+    lines = (out / "steps.jsonl").read_text().splitlines()
+    (out / "steps.jsonl").write_text("\n".join([lines[0][:20], *lines[1:]]) + "\n")
+    one_line_error(speedrun(*TINY, "--epochs", "2", "--out", str(out), "--resume"), "steps.jsonl, line 1")
 
 
 @pytest.mark.parametrize("content, expected", [
     (b"\x00garbage" * 100, "cannot be read"),
     (None, "is not a speedrun checkpoint"),
 ])
-def test_a_damaged_or_foreign_checkpoint_says_what_to_do(one_epoch, tmp_path, content, expected):
-    out = copy_run(one_epoch, tmp_path / "run")
+def test_a_damaged_or_foreign_checkpoint_says_what_to_do(stopped_run, tmp_path, content, expected):
+    out = copy_run(stopped_run, tmp_path / "run")
     if content is None:
         torch.save({"weights": torch.zeros(2)}, out / "checkpoint.pt")
     else:
@@ -141,13 +148,13 @@ def test_a_damaged_or_foreign_checkpoint_says_what_to_do(one_epoch, tmp_path, co
     (["--seed", "1"], "--seed 0"),
     (["--deterministic"], "no --deterministic"),
 ])
-def test_resume_refuses_another_seed_or_determinism(one_epoch, tmp_path, flags, expected):
-    out = copy_run(one_epoch, tmp_path / "run")
+def test_resume_refuses_another_seed_or_determinism(stopped_run, tmp_path, flags, expected):
+    out = copy_run(stopped_run, tmp_path / "run")
     one_line_error(speedrun(*TINY, "--epochs", "2", "--out", str(out), "--resume", *flags), expected)
 
 
-def test_temporary_checkpoints_of_a_killed_writer_are_removed(one_epoch, tmp_path):
-    out = copy_run(one_epoch, tmp_path / "run")
+def test_temporary_checkpoints_of_a_killed_writer_are_removed(stopped_run, tmp_path):
+    out = copy_run(stopped_run, tmp_path / "run")
     (out / ".checkpoint.pt.k1ll3d.tmp").write_bytes(b"half a checkpoint")
     assert speedrun(*TINY, "--epochs", "2", "--out", str(out), "--resume").returncode == 0
     assert not list(out.glob(".checkpoint.pt.*.tmp"))
@@ -158,6 +165,18 @@ def test_out_that_is_a_file_or_read_only_is_refused_before_loading(tmp_path, rea
     one_line_error(speedrun(*TINY, "--out", str(tmp_path / "file")), "is a file")
     one_line_error(speedrun(*TINY, "--out", str(read_only_dir / "run")), "cannot create the run directory",
                    "Read-only file system")
+
+
+def test_a_refused_run_leaves_no_directory_behind(tmp_path):
+    # Refused after the run directory was claimed: nothing to resume, data that is not there.
+    for args, expected in ((["--resume"], "no checkpoint at"), (["--data", str(tmp_path / "nowhere")], "does not exist")):
+        one_line_error(speedrun(*TINY, "--out", str(tmp_path / "r"), *args), expected)
+        assert not (tmp_path / "r").exists()
+    # A directory that was there before stays, as it was: without the lock file.
+    (tmp_path / "mine").mkdir()
+    for args in (["--resume"], ["--data", str(tmp_path / "nowhere")]):
+        one_line_error(speedrun(*TINY, "--out", str(tmp_path / "mine"), *args))
+        assert list((tmp_path / "mine").iterdir()) == []
 
 
 def test_a_full_disk_is_one_line_naming_the_last_checkpoint(small_disk):

@@ -135,16 +135,28 @@ def plan_files(plan: Plan) -> dict[str, str]:
 
 def prepare(out: Path, plan: Plan) -> None:
     """Write `plan_files` in `out`, or check that `out` holds this very plan (an interrupted
-    ablation continues; another plan there is refused)."""
+    ablation continues; another plan there is refused). SpeedrunError when `out` is a file, holds
+    anything else (a run directory, say: its files are never mixed with an ablation's) or cannot
+    be written to."""
     files = plan_files(plan)
     saved = out / "plan.json"
+    if out.exists() and not out.is_dir():
+        raise SpeedrunError(f"--out {out} is a file, not a directory; choose another --out")
     if saved.exists():
         if saved.read_text() != files["plan.json"]:
             raise SpeedrunError(f"{out} holds another ablation (plan.json differs): choose another --out")
         return
-    for rel, text in sorted(files.items(), key=lambda f: f[0] == "plan.json"):  # plan.json last: complete
-        (out / rel).parent.mkdir(parents=True, exist_ok=True)
-        (out / rel).write_text(text)
+    ours = {Path(rel).parts[0] for rel in files}  # what an ablation cut short before its plan.json may have left
+    others = sorted(p.name for p in out.iterdir() if p.name not in ours) if out.is_dir() else []
+    if others:
+        shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+        raise SpeedrunError(f"--out {out} is not empty and holds no ablation ({shown}); choose a new or empty directory")
+    try:
+        for rel, text in sorted(files.items(), key=lambda f: f[0] == "plan.json"):  # plan.json last: complete
+            (out / rel).parent.mkdir(parents=True, exist_ok=True)
+            (out / rel).write_text(text)
+    except OSError as e:
+        raise SpeedrunError(f"--out {out}: cannot write the ablation there ({e.strerror or e}); choose another --out") from None
 
 
 def recipe_file(recipe: Recipe) -> str:

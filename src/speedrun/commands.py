@@ -12,6 +12,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from speedrun.config import absolute_data
 from speedrun.data import LOADERS, folder_summary, is_image_folder
 from speedrun.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_RESUMABLE, SpeedrunError, TrainingFailed
 from speedrun.stopping import IMDS_NOTICE_URL, NOTICE_ENV
@@ -121,12 +122,6 @@ def recipe_for(name_or_path: str, data: str | None, workers: int | None = None) 
     return FITTED[name_or_path](side, count).validate()
 
 
-def absolute_data(data: str | None) -> str | None:
-    """A --data path made absolute when it exists (it is recorded, and used from other
-    directories: `speedrun eval`, ablation runs); anything else as given, for the source to judge."""
-    return str(Path(data).resolve()) if data and Path(data).exists() else data
-
-
 def print_table(console: Console, rows: list[dict], title: str | None = None, boxed: bool = False) -> None:
     """Rows of equal keys as a table, the keys as its header (lines around the cells if `boxed`)."""
     if not rows:
@@ -149,6 +144,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise SpeedrunError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if not 0 < args.bucket_cap_mb < float("inf"):  # also NaN; DDP would fail deep inside instead
+        raise SpeedrunError(f"--bucket-cap-mb must be a size in MB above 0, got {args.bucket_cap_mb}")
     checkpoint_every, checkpoint_minutes = parse_checkpoint_every(args.checkpoint_every or ["1"])
     if args.spot_notice_url and not args.spot_notice_url.startswith(("http://", "https://")):
         raise SpeedrunError(f"bad --spot-notice-url {args.spot_notice_url!r}: give an http:// URL, e.g. {IMDS_NOTICE_URL}")

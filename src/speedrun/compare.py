@@ -50,7 +50,8 @@ class Comparison:
 
     runs: list[RunSummary]
     differing: list[str]
-    plot: Path | None = None
+    plot: Path | None = None  # where the plot was written
+    plot_error: str | None = None  # why it was not, when one was asked for
 
     def rows(self) -> list[dict[str, Any]]:
         """The table: one dict per run, in order, with printable values."""
@@ -82,7 +83,9 @@ def _pct(x: float | None) -> str:
 
 def read_run(path: str | os.PathLike, label: str | None = None, live: bool = True) -> RunSummary:
     """The run in directory `path`. `live`: the directory is on this machine, so a run that says
-    "running" can be checked for a process holding it (else it stopped without a word: "stopped")."""
+    "running" can be checked for a process holding it (else it stopped without a word: "stopped").
+    SpeedrunError (one line naming the file) when the directory holds no results.json, or one that
+    is not JSON or not shaped as speedrun writes it."""
     path = Path(path)
     results_path, metrics_path = path / "results.json", path / "metrics.jsonl"
     if not results_path.is_file():
@@ -92,13 +95,18 @@ def read_run(path: str | os.PathLike, label: str | None = None, live: bool = Tru
         results = json.loads(results_path.read_text())
     except ValueError:
         raise SpeedrunError(f"{results_path} is not JSON; was it cut short?") from None
+    except OSError as e:
+        raise SpeedrunError(f"{results_path} cannot be read ({e.strerror or e})") from None
+    check_results(results, results_path)
     from speedrun.track import read_jsonl  # here: track imports torch, which the command line loads only when needed
 
-    evals = read_jsonl(metrics_path)
-    status = results.get("status", "?")
+    # Lines without the numbers compare uses (another tool's, a hand edit) are left out of the plot.
+    evals = [e for e in read_jsonl(metrics_path) if isinstance(e, dict) and _is_number(e.get("wall_s"))
+             and _is_number(e.get("top1"))]
+    status = results.get("status") or "?"
     if status == "running" and live and not rundir.in_use(path):
         status = "stopped"
-    speeds = [e["images_per_s"] for e in evals if "images_per_s" in e]
+    speeds = [e["images_per_s"] for e in evals if _is_number(e.get("images_per_s"))]
     return RunSummary(
         label=label or str(path), path=path, status=status, recipe=results.get("recipe") or {},
         target=results.get("target"), time_to_target_s=results.get("time_to_target_s"),
@@ -106,6 +114,41 @@ def read_run(path: str | os.PathLike, label: str | None = None, live: bool = Tru
         device=results.get("device"), seed=results.get("seed"),
         images_per_s=sum(speeds) / len(speeds) if speeds else None, cost_usd=results.get("cost_usd"), evals=evals,
     )
+
+
+# results.json fields compare reads, and what each must be when present (None is always allowed).
+RESULT_FIELDS: dict[str, tuple[type, ...]] = {
+    "status": (str,), "recipe": (dict,), "target": (dict,), "time_to_target_s": (int, float), "best": (dict,),
+    "final": (dict,), "world_size": (int,), "device": (str,), "seed": (int,), "cost_usd": (int, float),
+}
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def check_results(results: Any, where: Path) -> None:
+    """SpeedrunError naming the first field of `results` (a parsed results.json) that is not what
+    speedrun writes there: compare would otherwise fail on it half way through the table."""
+    def bad(what: str, value: Any) -> SpeedrunError:
+        return SpeedrunError(f"{where}: {what} is {json.dumps(value)[:40]}; not a speedrun results.json")
+
+    if not isinstance(results, dict):
+        raise bad("the whole file", results)
+    for key, kinds in RESULT_FIELDS.items():
+        value = results.get(key)
+        if value is not None and (not isinstance(value, kinds) or isinstance(value, bool)):
+            raise bad(key, value)
+    for key in ("best", "final"):
+        for metric, value in (results.get(key) or {}).items():
+            if metric in ("top1", "top5") and not _is_number(value):
+                raise bad(f"{key}.{metric}", value)
+    target = results.get("target")
+    if target is not None and not (isinstance(target.get("metric"), str) and _is_number(target.get("value"))):
+        raise bad("target", target)
+    phases = (results.get("recipe") or {}).get("phases")
+    if phases is not None and not (isinstance(phases, list) and all(isinstance(p, dict) for p in phases)):
+        raise bad("recipe.phases", phases)
 
 
 def flatten_recipe(recipe: dict[str, Any]) -> dict[str, str]:
@@ -116,7 +159,7 @@ def flatten_recipe(recipe: dict[str, Any]) -> dict[str, str]:
         if key in SKIPPED_FIELDS:
             continue
         if key == "phases":
-            flat["epochs"] = str(value[-1]["end"] if value else 0)
+            flat["epochs"] = str(value[-1].get("end", "?") if value else 0)
             for name in dict.fromkeys(k for p in value for k in p):
                 per_phase = [_short(p.get(name)) for p in value]
                 flat[f"phases.{name}"] = per_phase[0] if len(set(per_phase)) == 1 else "/".join(per_phase)
@@ -144,14 +187,18 @@ def differing_fields(recipes: Sequence[dict[str, Any]]) -> list[str]:
 
 def compare(runs: Sequence[RunSummary], plot: str | os.PathLike | None = None) -> Comparison:
     """The runs sorted (reached the target first, fastest first; then by best top-1), the recipe
-    fields that differ, and, with `plot`, a PNG of top-1 against wall time for all of them."""
+    fields that differ, and, with `plot`, a PNG of top-1 against wall time for all of them (a plot
+    that cannot be written is `plot_error`, one line: the table does not depend on it)."""
     if not runs:
         raise SpeedrunError("no runs to compare")
     ordered = sorted(runs, key=lambda r: (r.time_to_target_s is None, r.time_to_target_s or 0.0,
                                           -r.best.get("top1", 0.0), r.label))
     result = Comparison(ordered, differing_fields([r.recipe for r in ordered]))
     if plot is not None:
-        result.plot = plot_runs(ordered, Path(plot))
+        try:
+            result.plot = plot_runs(ordered, Path(plot))
+        except OSError as e:
+            result.plot_error = f"plot not written: {e.filename or plot}: {e.strerror or e}"
     return result
 
 
@@ -209,7 +256,7 @@ def collect_job(name: str, cache: str | os.PathLike | None = None, config_dir: s
                 warn=print) -> list[RunSummary]:
     """The runs under job `name`'s run directory, read from its hosts into `cache` (default
     <speedrun home>/compare/<name>, ~/.speedrun by default) and labelled `<task>:<path in the run
-    directory>`."""
+    directory>`. A run that cannot be read is named through `warn` and left out."""
     from speedrun.cluster.lifecycle import open_job
     from speedrun.cluster.registry import speedrun_home
 
@@ -220,5 +267,8 @@ def collect_job(name: str, cache: str | os.PathLike | None = None, config_dir: s
     runs = []
     for task_dir in sorted(cache.glob("task*")):
         for run in find_runs(task_dir):
-            runs.append(read_run(run, label=f"{task_dir.name.removeprefix('task')}:{run.relative_to(task_dir)}", live=False))
+            try:
+                runs.append(read_run(run, label=f"{task_dir.name.removeprefix('task')}:{run.relative_to(task_dir)}", live=False))
+            except SpeedrunError as e:  # one bad run does not hide the others
+                warn(f"left out: {e}")
     return runs

@@ -33,3 +33,9 @@ class TrainConfig:
     bf16_grads: bool = False  # compress gradients to bf16 for the all-reduce (CUDA only)
     precision: str = "auto"  # "auto" (see learner.choose_precision), "bf16", "fp16" or "fp32"
     process_start: float = field(default_factory=time.time)  # wall clock when the process began
+
+
+def absolute_data(data: str | None) -> str | None:
+    """A --data path made absolute when it exists (it is recorded, and used from other
+    directories: `speedrun eval`, ablation runs); anything else as given, for the source to judge."""
+    return str(Path(data).resolve()) if data and Path(data).exists() else data

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import csv
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 from rich.console import Console
@@ -23,7 +25,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("runs", nargs="+", metavar="RUN_DIR|JOB")
     p.add_argument("--plot", type=Path, default=Path("compare.png"), metavar="FILE",
-                   help="where the accuracy plot goes (default: compare.png)")
+                   help="where the accuracy plot goes (default: compare.png; one that cannot be written is skipped, "
+                   "the table is printed all the same)")
+    as_data = p.add_mutually_exclusive_group()
+    as_data.add_argument("--json", action="store_true", help="print the table as a JSON list of rows, for scripts")
+    as_data.add_argument("--csv", action="store_true", help="print the table as CSV with a header line, for scripts")
     p.set_defaults(func=cmd_compare)
 
     from speedrun.ablate import TRICKS
@@ -49,34 +55,73 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_ablate)
 
 
+def output_console(stderr: bool = False) -> Console:
+    """A console for tables and lines. On a terminal rich fits them to its width; anything else (a
+    file, a pipe) gets them whole: rich would cut every column to 80 characters there."""
+    console = Console(stderr=stderr)
+    return console if console.is_terminal else Console(stderr=stderr, width=1_000_000)
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
-    from speedrun.compare import collect_job, compare, find_runs, read_run
+    from speedrun.compare import compare
 
-    console = Console(stderr=False)
-    warn = lambda line: console.print(f"[yellow]{line}[/yellow]")  # noqa: E731
-    runs = []
-    for arg in args.runs:
-        path = Path(arg)
-        if path.is_dir():
-            found = [path] if (path / "results.json").is_file() else find_runs(path)
-            if not found:
-                raise SpeedrunError(f"{path} holds no run (no results.json at or under it)")
-            runs += [read_run(p) for p in found]
-        elif path.exists():
-            raise SpeedrunError(f"{path} is a file: give run directories or job names")
-        else:
-            from speedrun.cluster import registry
-
-            if not registry.exists(arg):
-                raise SpeedrunError(f"{arg} is neither a directory nor a job this machine knows (see `speedrun ls`; jobs are recorded in $SPEEDRUN_HOME, else ~/.config/speedrun)")
-            job_runs = collect_job(arg, warn=warn)
-            if not job_runs:
-                raise SpeedrunError(f"job {arg} has no runs yet")
-            runs += job_runs
+    notes = output_console(stderr=True)
+    note = lambda line: notes.print(f"speedrun: {line}", style="yellow", soft_wrap=True, markup=False)  # noqa: E731
+    runs, skipped = read_compare_args(args.runs, note)
+    if not runs:
+        raise SpeedrunError("nothing to compare: " + "; ".join(skipped))
     result = compare(runs, args.plot)
-    print_table(console, result.rows())
-    console.print(f"{len(runs)} runs; plot: {result.plot}", soft_wrap=True)
+    rows = result.rows()
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    elif args.csv:
+        writer = csv.DictWriter(sys.stdout, fieldnames=list(rows[0]), lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+    else:
+        console = output_console()
+        print_table(console, rows)
+        console.print(f"{len(runs)} runs" + (f"; plot: {result.plot}" if result.plot else ""), soft_wrap=True, markup=False)
+    if result.plot_error:
+        note(result.plot_error)
+    if skipped:
+        note(f"left out {len(skipped)} of {len(skipped) + len(runs)}: " + "; ".join(skipped))
     return 0
+
+
+def read_compare_args(args: list[str], note) -> tuple[list, list[str]]:
+    """The runs that the arguments of `compare` name (run directories, directories holding runs,
+    job names), and one line per argument or run that could not be read, saying why: one bad run
+    does not hide the others."""
+    from speedrun.compare import collect_job, find_runs, read_run
+
+    runs, skipped = [], []
+    for arg in args:
+        path = Path(arg)
+        try:
+            if path.is_dir():
+                found = [path] if (path / "results.json").is_file() else find_runs(path)
+                if not found:
+                    raise SpeedrunError(f"{path} holds no run (no results.json at or under it)")
+                for run in found:
+                    try:
+                        runs.append(read_run(run))
+                    except SpeedrunError as e:
+                        skipped.append(str(e))
+            elif path.exists():
+                raise SpeedrunError(f"{path} is a file: give run directories or job names")
+            else:
+                from speedrun.cluster import registry
+
+                if not registry.exists(arg):
+                    raise SpeedrunError(f"{arg} is neither a directory nor a job this machine knows (see `speedrun ls`; jobs are recorded in $SPEEDRUN_HOME, else ~/.config/speedrun)")
+                job_runs = collect_job(arg, warn=note)
+                if not job_runs:
+                    raise SpeedrunError(f"job {arg} has no runs yet")
+                runs += job_runs
+        except SpeedrunError as e:
+            skipped.append(str(e))
+    return runs, skipped
 
 
 def cmd_ablate(args: argparse.Namespace) -> int:
@@ -92,13 +137,17 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     if args.target is not None:
         recipe = dataclasses.replace(recipe, target=None if args.target.lower() == "none" else Target.parse(args.target))
     recipe.validate()
-    only = [t.strip() for t in args.only.split(",") if t.strip()] if args.only else None
+    only = None
+    if args.only is not None:
+        only = [t.strip() for t in args.only.split(",") if t.strip()]
+        if not only:  # an empty list would mean "every trick", the opposite of what was asked
+            raise SpeedrunError(f"--only {args.only!r} names no trick; give one or more of {', '.join(ablate.TRICKS)}")
     tricks = tuple(name for name in ablate.variants(recipe, only) if name != ablate.FULL)
     data = absolute_data(args.data)
     train_args = [*(["--device", args.device] if args.device else []), *(["--workers", str(args.workers)] if args.workers else [])]
     plan = ablate.Plan(recipe, tricks, args.seeds, data, tuple(train_args))
 
-    console = Console()
+    console = output_console()
     console.print(f"ablation of {recipe.name}: {len(tricks)} tricks x {args.seeds} seed(s) + the full recipe "
                   f"= {len(plan.runs())} runs", soft_wrap=True)
     print_table(console, [{"trick": t, "off means": ablate.TRICKS[t].off} for t in tricks])
@@ -128,5 +177,7 @@ def cmd_ablate(args: argparse.Namespace) -> int:
                                                    "results": [dataclasses.asdict(r) for r in results]}, indent=2) + "\n")
     comparison = compare(list(runs.values()), out / "compare.png")
     print_table(console, comparison.rows())
+    if comparison.plot_error:
+        say(comparison.plot_error)
     console.print(f"written: {out / 'ablation.json'}, plot {comparison.plot}", soft_wrap=True)
     return 0

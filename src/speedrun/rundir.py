@@ -9,6 +9,8 @@
   checkpoint or a finished run is never overwritten; what a run left without a checkpoint (it
   was stopped or failed before its first one: logs, events, results) is moved aside to
   `RUN_DIR/abandoned-<date>-<time>/` and the run starts over, so old lines are never appended to.
+A run refused before it wrote anything (nothing to --resume, bad --data) leaves no trace: no
+lock file, and no directory where there was none.
 """
 from __future__ import annotations
 
@@ -38,32 +40,44 @@ class RunDir:
     path: Path
     lock: IO[str] | None
     note: str | None = None  # one line to print: what was moved aside, or None
+    created: bool = False  # `claim` made the directory
 
     def release(self) -> None:
-        if self.lock is not None:
-            self.lock.close()  # closing the file releases the flock
-            self.lock = None
+        """Free the directory. A run refused before writing anything (bad --data, say) leaves no
+        trace: the lock file goes, and the directory too when `claim` made it."""
+        if self.lock is None:
+            return
+        try:
+            if [p.name for p in self.path.iterdir()] == [LOCK]:
+                (self.path / LOCK).unlink()  # still holding the lock: no other process can be using it
+                if self.created:
+                    self.path.rmdir()
+        except OSError:  # gone or unreadable: nothing of ours to tidy
+            pass
+        self.lock.close()  # closing the file releases the flock
+        self.lock = None
 
 
 def claim(out: Path, resume: bool) -> RunDir:
     """Check, lock and prepare `out` for a run (rank 0 only); SpeedrunError for every refusal."""
     if out.exists() and not out.is_dir():
         raise SpeedrunError(f"--out {out} is a file, not a directory; choose a directory")
+    created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise SpeedrunError(f"--out {out}: cannot create the run directory ({e.strerror or e})") from None
     if not os.access(out, os.W_OK | os.X_OK):
         raise SpeedrunError(f"--out {out} is not writable by this user; choose another directory")
-    lock = _lock(out)
+    claimed = RunDir(out, _lock(out), created=created)
     try:
         for tmp in out.glob(f".{CHECKPOINT}.*.tmp"):  # a writer killed mid-write; nobody holds them now
             tmp.unlink(missing_ok=True)
-        note = _check_contents(out, resume)
+        claimed.note = _check_contents(out, resume)
     except BaseException:
-        lock.close()
+        claimed.release()  # a refused --resume leaves no empty directory behind
         raise
-    return RunDir(out, lock, note)
+    return claimed
 
 
 def _lock(out: Path) -> IO[str]:

@@ -90,8 +90,6 @@ def cmd_synth_imagenet(args: argparse.Namespace) -> int:
 def cmd_synth_fmnist(args: argparse.Namespace) -> int:
     from speedrun.data.synth import FMNIST_DIR, fmnist_tree
 
-    if args.side is not None and args.side < 28:
-        raise SpeedrunError(f"--side must be at least 28 px (a garment's own size), got {args.side}")
     s = fmnist_tree(args.dst, args.train, args.val, args.source or FMNIST_DIR, args.quality, args.seed, args.workers,
                     args.side, args.plain)
     Console(soft_wrap=True).print(f"wrote {s.train} train and {s.val} val images in {s.classes} classes to {s.root}")
@@ -103,6 +101,8 @@ def cmd_index(args: argparse.Namespace) -> int:
 
     from speedrun.data.index import cache_path, load_index
 
+    if args.workers is not None and args.workers < 1:
+        raise SpeedrunError(f"--workers must be at least 1, got {args.workers}")
     _log_to_console()
     index = load_index(args.path, workers=args.workers)
     console = Console(soft_wrap=True)

@@ -76,6 +76,20 @@ def _die_with_parent() -> None:
         pass
 
 
+def check_destination(dst: Path) -> None:
+    """SpeedrunError when folder `dst` cannot be made and written to: it, or the nearest existing
+    path above it, is a file, on a read-only file system (which binds root too) or not writable."""
+    blocker = next((p for p in (dst, *dst.parents) if p.exists()), None)
+    if blocker is None:
+        return
+    if not blocker.is_dir():
+        raise SpeedrunError(f"DST {dst}: {blocker} is a file, not a folder")
+    if os.statvfs(blocker).f_flag & os.ST_RDONLY:
+        raise SpeedrunError(f"DST {dst}: {blocker} is on a read-only file system")
+    if not os.access(blocker, os.W_OK | os.X_OK):
+        raise SpeedrunError(f"DST {dst}: {blocker} is not writable by this user")
+
+
 def _remove_dead_partials(dst: Path) -> None:
     """Temporary folders of earlier runs whose process is gone (killed mid-write)."""
     for folder in dst.glob(f"{PARTIAL}-*"):
@@ -186,11 +200,9 @@ def prepare(
     inside = [src.resolve()] + [src.resolve() / s for s in ("train", "val")]
     if any(dst.resolve() == p or p in dst.resolve().parents for p in inside[1:]) or dst.resolve() == inside[0]:
         raise SpeedrunError(f"DST {dst} must not be SRC or inside SRC's train/val folders")
-    blocker = next((p for p in (dst, *dst.parents) if p.exists()), None)
-    if blocker is not None and not blocker.is_dir():
-        raise SpeedrunError(f"DST {dst}: {blocker} is a file, not a folder")
-    if blocker is not None and not os.access(blocker, os.W_OK | os.X_OK):
-        raise SpeedrunError(f"DST {dst}: {blocker} is not writable by this user")
+    check_destination(dst)
+    if workers is not None and workers < 1:
+        raise SpeedrunError(f"--workers must be at least 1, got {workers}")
     workers = workers or os.cpu_count() or 1
     index = load_index(src, workers=workers)
     if dst.is_dir():

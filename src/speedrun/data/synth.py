@@ -28,6 +28,8 @@ from PIL import Image
 
 from speedrun.data.fashion_mnist import DEBIAN_DIR as FMNIST_DIR  # where dataset-fashion-mnist puts the files
 from speedrun.data.fashion_mnist import read_idx  # the one IDX reader; re-exported here
+from speedrun.errors import SpeedrunError
+
 FMNIST_CLASSES = ("t-shirt", "trouser", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag", "ankle-boot")
 
 
@@ -75,14 +77,45 @@ def _write_imagenet_chunk(args: tuple) -> int:
     return len(jobs)
 
 
-def _run_chunks(fn, chunks: list[tuple], workers: int | None) -> None:
+def _run_chunks(fn, chunks: list[tuple], workers: int | None, root: Path) -> None:
     workers = workers or os.cpu_count() or 1
-    if workers <= 1 or len(chunks) <= 1:
-        for c in chunks:
-            fn(c)
-        return
-    with ProcessPoolExecutor(workers) as pool:
-        list(pool.map(fn, chunks))
+    try:
+        if workers <= 1 or len(chunks) <= 1:
+            for c in chunks:
+                fn(c)
+            return
+        with ProcessPoolExecutor(workers) as pool:
+            list(pool.map(fn, chunks))
+    except OSError as e:  # the disk filled up, the folder went away: the user's to fix, not a bug
+        raise SpeedrunError(f"DST {root}: cannot write {e.filename or 'an image'} ({e.strerror or e})") from None
+
+
+# Bounds on what a tree may ask for. A canvas is held as float32 with three channels while it is
+# drawn: 2048 px is 50 MB per worker, a 100000 px side would be 120 GB.
+MAX_SIDE = 2048
+
+
+def check_request(root: Path, counts: dict[str, int], quality: int, seed: int, classes: int | None = None,
+                  workers: int | None = None, side: int | None = None) -> None:
+    """SpeedrunError, one line, for a tree that cannot be written as asked: `counts` (option name:
+    images) below 1, fewer than 2 classes, a JPEG quality outside 1..100, a negative seed, fewer
+    than 1 worker, a `side` outside 28..MAX_SIDE px, or a destination that is a file or read-only."""
+    from speedrun.data.prepare import check_destination
+
+    if classes is not None and classes < 2:
+        raise SpeedrunError(f"--classes must be at least 2 (a classifier tells classes apart), got {classes}")
+    for name, value in counts.items():
+        if value < 1:
+            raise SpeedrunError(f"--{name} must be at least 1, got {value}")
+    if not 1 <= quality <= 100:
+        raise SpeedrunError(f"--quality must be 1..100, got {quality}")
+    if seed < 0:
+        raise SpeedrunError(f"--seed must be 0 or more, got {seed}")
+    if workers is not None and workers < 1:
+        raise SpeedrunError(f"--workers must be at least 1, got {workers}")
+    if side is not None and not 28 <= side <= MAX_SIDE:
+        raise SpeedrunError(f"--side must be 28..{MAX_SIDE} px (a garment is 28 px), got {side}")
+    check_destination(root)
 
 
 def imagenet_tree(
@@ -96,6 +129,8 @@ def imagenet_tree(
 ) -> TreeSummary:
     """Write an ImageNet-shaped JPEG tree at `root` (train/ and val/ with `classes` folders)."""
     root = Path(root)
+    check_request(root, {"train-per-class": train_per_class, "val-per-class": val_per_class}, quality, seed, classes,
+                  workers)
     names = [f"n{i:08d}" for i in range(classes)]
     jobs = []
     for split, per in (("train", train_per_class), ("val", val_per_class)):
@@ -104,7 +139,7 @@ def imagenet_tree(
             jobs.extend((split, name, label, k) for k in range(per))
     chunk = 64
     chunks = [(str(root), jobs[i : i + chunk], classes, quality, seed) for i in range(0, len(jobs), chunk)]
-    _run_chunks(_write_imagenet_chunk, chunks, workers)
+    _run_chunks(_write_imagenet_chunk, chunks, workers, root)
     return TreeSummary(root, classes, classes * train_per_class, classes * val_per_class)
 
 
@@ -163,14 +198,13 @@ def fmnist_tree(
     """Write a learnable tree from the first `train` / `val` Fashion-MNIST train / test images:
     garments on canvases of varied aspect ratio (JPEG), on `side` px squares, or `plain` (the
     28 px originals as grayscale PNG); see the module docstring."""
-    from speedrun.errors import SpeedrunError
-
     source = Path(source)
     files = {
         "train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
         "val": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"),
     }
     root = Path(root)
+    check_request(root, {"train": train, "val": val}, quality, seed, workers=workers, side=side)
     chunks = []
     for split, count in (("train", train), ("val", val)):
         img_file, lbl_file = (source / f for f in files[split])
@@ -186,5 +220,5 @@ def fmnist_tree(
             (str(root), split, images[i : i + chunk], labels[i : i + chunk], i, quality, seed, side, plain)
             for i in range(0, len(images), chunk)
         ]
-    _run_chunks(_write_fmnist_chunk, chunks, workers)
+    _run_chunks(_write_fmnist_chunk, chunks, workers, root)
     return TreeSummary(root, len(FMNIST_CLASSES), min(train, 60000), min(val, 10000))
