@@ -9,6 +9,7 @@ import http.server
 import json
 import os
 import signal
+import sys
 import threading
 from pathlib import Path
 
@@ -174,3 +175,25 @@ def test_a_spot_notice_url_that_is_not_one_is_one_line(tmp_path):
                 "--out", str(tmp_path / "x"))
     assert r.returncode == 2 and r.stderr.strip().startswith("speedrun: error: bad --spot-notice-url '169.254.169.254'")
     assert "\n" not in r.stderr.strip()
+
+
+def test_a_sigterm_while_the_run_cleans_up_does_not_lose_its_results(tmp_path, monkeypatch):
+    """torchrun sends SIGTERM to the survivors when a rank dies; a survivor that has already met
+    the failure is then cleaning up (closing its loaders, waiting for the last checkpoint). The
+    signal there must not cut the clean-up short: results.json is still written. (The race behind
+    a CI failure: `test_killing_one_rank...` lost results.json when the signal came that late.)"""
+    from speedrun import cli, engine
+
+    close = engine.PhaseStreams.close
+
+    def close_with_a_sigterm(self):
+        if sys._getframe(1).f_code.co_name == "run_epochs":  # the loop's clean-up, not a new phase's stream
+            os.kill(os.getpid(), signal.SIGTERM)  # delivered here, as torchrun's would be
+        close(self)
+
+    monkeypatch.setattr(engine.PhaseStreams, "close", close_with_a_sigterm)
+    out = tmp_path / "run"
+    code = cli.main(["train", "--recipe", str(write_recipe(tmp_path / "r.py", 1, 32, train=64, val=64, epochs=2)),
+                     "--device", "cpu", "--out", str(out)])
+    assert code == 0  # the run had finished every epoch: that is its outcome
+    assert json.loads((out / "results.json").read_text())["status"] == "finished"

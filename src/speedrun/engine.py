@@ -103,8 +103,10 @@ def run_epochs(
     first_epoch = state.epoch
     stops = StopRequests(ctx, out, cfg.spot_notice_url)
     last_save = time.time()
-    try:
-        with stops:
+    # The stop handler stays until results.json is written: torchrun's SIGTERM, sent when a peer
+    # died, reaches a survivor that may already be cleaning up, and must not cut that short.
+    with stops:
+        try:
             for epoch in range(first_epoch, recipe.epochs):
                 phase = recipe.phase_at(epoch)
                 skip = state.epoch_step if epoch == first_epoch else 0  # steps a resumed epoch already took
@@ -162,39 +164,39 @@ def run_epochs(
                     last_save = time.time()
                 if state.target_epoch is not None:
                     break
-        writer.wait()
-        if status != "stopped":
-            status = "target_reached" if state.time_to_target_s is not None else "finished"
-    except TrainingFailed:
-        status = "failed"
-        raise
-    except RuntimeError as e:
-        if collective_failed(e, ctx):  # a peer died: `train` says which; anything else is a bug
-            status = "failed"
-        raise
-    except OSError as e:
-        status = "failed"
-        raise run_dir_error(e, out, writer.last_written) from None
-    finally:
-        streams.close()
-        # Already failing or interrupted: let the last checkpoint reach the disk; the error that
-        # ended the run is the one to report.
-        with contextlib.suppress(Exception):
             writer.wait()
-        state.train_s = clock.train_s()
-        results = build_results(cfg, ctx, source, state, evals, status, clock.session_start, learner.precision)
-        results["last_checkpoint"] = writer.last_written  # complete on disk; None: none
-        # What `speedrun launch --recover` did to keep the run going (speedrun.cluster.recovery),
-        # and what the time lost cost at the machines' price when the watcher knew it.
-        recoveries = out / "recoveries.jsonl"
-        results["recoveries"] = read_jsonl(recoveries) if recoveries.exists() else []
-        prices = [r["price_per_hour"] for r in results["recoveries"] if r.get("price_per_hour") is not None]
-        results["lost_usd"] = results["lost_s"] * prices[-1] / 3600 if prices else None
-        try:
-            tracker.write_results(results)
-            tracker.plot(evals, dataclasses.asdict(recipe.target) if recipe.target else None)
-        except OSError as e:  # a full disk: the error above says so; the checkpoint is what counts
-            tracker.print(f"results.json not written: {e.strerror}")
+            if status != "stopped":
+                status = "target_reached" if state.time_to_target_s is not None else "finished"
+        except TrainingFailed:
+            status = "failed"
+            raise
+        except RuntimeError as e:
+            if collective_failed(e, ctx):  # a peer died: `train` says which; anything else is a bug
+                status = "failed"
+            raise
+        except OSError as e:
+            status = "failed"
+            raise run_dir_error(e, out, writer.last_written) from None
+        finally:
+            streams.close()
+            # Already failing or interrupted: let the last checkpoint reach the disk; the error that
+            # ended the run is the one to report.
+            with contextlib.suppress(Exception):
+                writer.wait()
+            state.train_s = clock.train_s()
+            results = build_results(cfg, ctx, source, state, evals, status, clock.session_start, learner.precision)
+            results["last_checkpoint"] = writer.last_written  # complete on disk; None: none
+            # What `speedrun launch --recover` did to keep the run going (speedrun.cluster.recovery),
+            # and what the time lost cost at the machines' price when the watcher knew it.
+            recoveries = out / "recoveries.jsonl"
+            results["recoveries"] = read_jsonl(recoveries) if recoveries.exists() else []
+            prices = [r["price_per_hour"] for r in results["recoveries"] if r.get("price_per_hour") is not None]
+            results["lost_usd"] = results["lost_s"] * prices[-1] / 3600 if prices else None
+            try:
+                tracker.write_results(results)
+                tracker.plot(evals, dataclasses.asdict(recipe.target) if recipe.target else None)
+            except OSError as e:  # a full disk: the error above says so; the checkpoint is what counts
+                tracker.print(f"results.json not written: {e.strerror}")
     if status == "stopped":
         # No rank leaves before rank 0 has the checkpoint and results on disk: the launcher stops
         # the others as soon as one process exits.
