@@ -90,9 +90,11 @@ def main() -> None:
     print(f"training thread blocked by the save: on the thread {med['sync']:.2f} s, "
           f"background writer {med['background']:.2f} s (the copy)  ratio {med['background'] / med['sync']:.2f}x")
     print(f"{args.steps} training steps right after: no save {steps_med['none']:.2f} s, "
-          f"after an on-thread save {steps_med['sync']:.2f} s, during a background write {steps_med['background']:.2f} s")
+          f"after an on-thread save {steps_med['sync']:.2f} s, "
+          f"during a background write {steps_med['background']:.2f} s")
     total = {k: med[k] + steps_med[k] - steps_med["none"] for k in med}
-    print(f"time the save adds to the run: on the thread {total['sync']:.2f} s, background {total['background']:.2f} s  "
+    print(f"time the save adds to the run: on the thread {total['sync']:.2f} s, "
+          f"background {total['background']:.2f} s  "
           f"ratio {total['background'] / total['sync']:.2f}x")
 
 

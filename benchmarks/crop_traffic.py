@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import random
+from functools import partial
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -65,6 +66,12 @@ def count(fn) -> Traffic:
     return traffic
 
 
+def crop_each_alone(images, boxes, flips, size: int) -> list:
+    """The batch's crops made one image at a time."""
+    return [crop_resize_flip(im[None], boxes[i : i + 1].float(), flips[i : i + 1], size)
+            for i, im in enumerate(images)]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", type=int, nargs="+", default=[224], help="crop sizes, px")
@@ -74,9 +81,8 @@ def main() -> None:
     images, boxes, flips = imagenet_batch(args.batch, args.min_scale)
     print(f"batch of {args.batch} ImageNet-sized images; GB written + read per batch, and operations")
     for size in args.sizes:
-        ragged = count(lambda: crop_resize_flip_ragged(images, boxes, flips, size))
-        alone = count(lambda: [crop_resize_flip(im[None], boxes[i : i + 1].float(), flips[i : i + 1], size)
-                               for i, im in enumerate(images)])
+        ragged = count(partial(crop_resize_flip_ragged, images, boxes, flips, size))
+        alone = count(partial(crop_each_alone, images, boxes, flips, size))
         traffic = [(t.written + t.read) / 1e9 for t in (ragged, alone)]
         print(f"{size:4d} px  batched crop {traffic[0]:6.2f} GB {ragged.ops:5d} ops   "
               f"each image alone {traffic[1]:6.2f} GB {alone.ops:5d} ops   "

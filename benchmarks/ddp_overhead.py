@@ -31,13 +31,15 @@ def step_time(rank: int, world: int, args: argparse.Namespace, port: int, result
     cuda = torch.cuda.device_count() >= world
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if world > 1:
-        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world)
     torch.manual_seed(0)
     in_chans = 1 if args.model.startswith("resnet-fmnist") else 3
     model = build_model(args.model, 10, in_chans).to(device, memory_format=torch.channels_last)
     optimizer = build_optimizer(model, OptimizerSettings(), lr=0.01)
     net = DDP(model, device_ids=[rank] if cuda else None, bucket_cap_mb=args.bucket_cap_mb) if world > 1 else model
-    x = torch.randn(args.batch, in_chans, args.size, args.size, device=device).contiguous(memory_format=torch.channels_last)
+    x = torch.randn(args.batch, in_chans, args.size, args.size, device=device).contiguous(
+        memory_format=torch.channels_last)
     y = torch.randint(0, 10, (args.batch,), device=device)
     criterion = nn.CrossEntropyLoss()
     times = []

@@ -45,7 +45,8 @@ class Augmented(Dataset):
         return self.transform(self.images[i]), self.labels[i]
 
 
-def baseline_time_to(target: float, epochs: int, device: torch.device, seed: int) -> tuple[float | None, int, float, float]:
+def baseline_time_to(target: float, epochs: int, device: torch.device,
+                     seed: int) -> tuple[float | None, int, float, float]:
     """(seconds to `target` top-1 or None, epochs run, best top-1, seconds run) for the plain baseline."""
     torch.manual_seed(seed)
     data = FashionMNIST(None, "cpu")

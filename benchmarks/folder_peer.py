@@ -48,13 +48,15 @@ def fastai_python() -> Path:
     """The Python of the benchmark's fastai environment."""
     python = VENV / "bin" / "python"
     if not python.exists():
-        sys.exit(f"no fastai environment at {VENV}: make it once with python benchmarks/folder_peer.py --install-fastai")
+        sys.exit(f"no fastai environment at {VENV}: "
+                 "make it once with python benchmarks/folder_peer.py --install-fastai")
     return python
 
 
 def run_fastai(data: Path, side: int, epochs: int) -> list[dict]:
     t0 = time.time()
-    proc = subprocess.run([str(fastai_python()), str(HERE / "fastai_folder.py"), str(data), str(side), str(epochs), str(t0)],
+    proc = subprocess.run([str(fastai_python()), str(HERE / "fastai_folder.py"),
+                           str(data), str(side), str(epochs), str(t0)],
                           capture_output=True, text=True, env={**_env(), "PYTHONWARNINGS": "ignore"})
     if proc.returncode != 0:
         sys.exit(f"fastai failed:\n{proc.stderr[-3000:]}")

@@ -16,9 +16,10 @@ reading the resized copy the 2018 recipes use at that size (160 px copy for crop
 process: the PIL loader's decode + crop against the GPU decode path's byte reading (what the CPUs
 still do when the GPU decodes); on CUDA, the GPU path's own rate; and the GPU path's agreement
 with PIL (on CUDA when there is one: nvJPEG's; else the CPU decoder's).
-Also: `prepare` throughput (images/s and per core) making 160 and 352 px copies, and optionally (`--train`, CUDA) training images/s of a model fed from the
-JPEGs by each of `--train-loaders` (pil: decode in the workers; gpu: the GPU decode path), next
-to the same model fed by one batch kept on the GPU (the synthetic rate, the model alone).
+Also: `prepare` throughput (images/s and per core) making 160 and 352 px copies, and optionally
+(`--train`, CUDA) training images/s of a model fed from the JPEGs by each of `--train-loaders`
+(pil: decode in the workers; gpu: the GPU decode path), next to the same model fed by one batch
+kept on the GPU (the synthetic rate, the model alone).
 
     python benchmarks/loader.py                      # generates ~3,000 images in a temp dir
     python benchmarks/loader.py --images 20000 --sizes 128 224 --train resnet50 --json out.json
@@ -123,7 +124,8 @@ def bench_worker_work(tree: Path, size: int, batch: int, batches: int) -> dict:
     phase = Phase(0, 1, size=size, batch_size=batch, lr=0.1)
     keys = [[(0, (i * batch + j) % len(split)) for j in range(batch)] for i in range(batches)]
     row = {"size": size}
-    for name, dataset in (("pil", _TrainDecoder(tree, split, phase, 0, True)), ("gpu", ByteReader(tree, split, phase, 0))):
+    for name, dataset in (("pil", _TrainDecoder(tree, split, phase, 0, True)),
+                          ("gpu", ByteReader(tree, split, phase, 0))):
         start = time.perf_counter()
         for k in keys:
             dataset.__getitems__(k)
@@ -245,12 +247,15 @@ def main() -> None:
     p.add_argument("--classes", type=int, default=20)
     p.add_argument("--sizes", type=int, nargs="+", default=[224], help="crop sizes in px (default 224)")
     p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)), help="decode processes (default: all cores)")
+    p.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)),
+                   help="decode processes (default: all cores)")
     p.add_argument("--warmup", type=int, help="untimed batches first (default: 2 x workers + 4)")
     p.add_argument("--batches", type=int, help="timed batches (default: max(30, 6 x workers))")
     p.add_argument("--no-prepare", action="store_true", help="skip the prepare benchmark")
-    p.add_argument("--train", metavar="MODEL", help="also time training of this model (speedrun's names: resnet50) on CUDA")
-    p.add_argument("--train-loaders", nargs="+", default=["pil", "gpu"], help="--loader values to feed it (default pil gpu)")
+    p.add_argument("--train", metavar="MODEL",
+                   help="also time training of this model (speedrun's names: resnet50) on CUDA")
+    p.add_argument("--train-loaders", nargs="+", default=["pil", "gpu"],
+                   help="--loader values to feed it (default pil gpu)")
     p.add_argument("--train-steps", type=int, default=60)
     p.add_argument("--train-warmup", type=int, help="untimed --train steps first (default: 4 x workers + 10, past "
                    "the prefetched queue, so the timed steps wait on the loader if it is slower)")
@@ -276,7 +281,8 @@ def main() -> None:
         start = time.perf_counter()
         imagenet_tree(tree, classes=args.classes, train_per_class=per_class, val_per_class=max(1, per_class // 10),
                       workers=args.workers)
-        print(f"generated {per_class * args.classes} train images in {time.perf_counter() - start:.1f} s at {tree}", flush=True)
+        print(f"generated {per_class * args.classes} train images in {time.perf_counter() - start:.1f} s at {tree}",
+              flush=True)
     def train() -> None:
         results["train"] = []
         for size in args.sizes:
@@ -307,7 +313,8 @@ def main() -> None:
             others = [("gpu", "cuda", f"nvJPEG, {args.workers} workers reading")] if torch.cuda.is_available() else []
             others += [("dali", "cpu", f"DALI's CPU decoder, {args.workers} threads")] if dali_installed() else []
             for loader, device, what in others:
-                rate = bench_speedrun(tree, size, args.batch, args.workers, warmup, batches, loader=loader, device=device)
+                rate = bench_speedrun(tree, size, args.batch, args.workers, warmup, batches, loader=loader,
+                                      device=device)
                 row[f"speedrun_{loader}_{device}_images_per_s"] = round(rate, 1)
                 row[f"{loader}_{device}_ratio"] = round(rate / theirs, 2)
                 print(f"{size:4d} px  full size: speedrun --loader {loader} ({what}) {rate:8,.0f} images/s   "
@@ -317,8 +324,9 @@ def main() -> None:
             row = bench_worker_work(tree, size, args.batch, max(4, batches // 4))
             results["worker_work"].append(row)
             save(args.json, results)
-            print(f"{size:4d} px  one core's worker work: PIL decode + crop {row['pil_worker_images_per_s_per_core']:,.0f} "
-                  f"images/s; GPU path (read bytes, draw crop) {row['gpu_worker_images_per_s_per_core']:,.0f} images/s"
+            print(f"{size:4d} px  one core's worker work: "
+                  f"PIL decode + crop {row['pil_worker_images_per_s_per_core']:,.0f} images/s; "
+                  f"GPU path (read bytes, draw crop) {row['gpu_worker_images_per_s_per_core']:,.0f} images/s"
                   f"   ratio {row['ratio']}x", flush=True)
         # On the CPU this checks the benchmark's glue; the agreement that matters is nvJPEG's.
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -331,7 +339,8 @@ def main() -> None:
         if not args.no_prepare:
             pr = bench_prepare(tree, copies, args.workers, [160, 352])
             results["prepare"] = pr
-            print(f"prepare 160+352 px: {pr['images']} images in {pr['seconds']} s = {pr['images_per_s']:,.0f} images/s, "
+            print(f"prepare 160+352 px: {pr['images']} images in {pr['seconds']} s = "
+                  f"{pr['images_per_s']:,.0f} images/s, "
                   f"{pr['images_per_s_per_core']:,.0f} images/s per core ({args.workers} workers)", flush=True)
             for row in results["loader"]:
                 copy = 160 if row["size"] <= 128 else 352

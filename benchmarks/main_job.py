@@ -39,12 +39,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.runs):
             r = run_once(Path(tmp) / f"run{i}", args.device)
-            rows.append((r["time_to_target_s"], r["time_to_target_from_first_step_s"], r["epochs_run"], r["best"]["top1"]))
+            rows.append((r["time_to_target_s"], r["time_to_target_from_first_step_s"], r["epochs_run"],
+                         r["best"]["top1"]))
 
     target = r["recipe"]["target"]
-    print(f"\nspeedrun train, recipe {r['recipe']['name']}, target {target['metric']}>={target['value']}, {r['device']}:")
+    print(f"\nspeedrun train, recipe {r['recipe']['name']}, "
+          f"target {target['metric']}>={target['value']}, {r['device']}:")
     for i, (total, from_step, epochs, best) in enumerate(rows):
-        when = f"{total:7.1f} s from start, {from_step:7.1f} s from the first step" if total is not None else "target not reached"
+        when = (f"{total:7.1f} s from start, {from_step:7.1f} s from the first step" if total is not None
+                else "target not reached")
         print(f"  run {i + 1}: {when}, {epochs} epochs, best top-1 {100 * best:.2f}%")
     reached = [row for row in rows if row[0] is not None]
     if len(reached) == len(rows):

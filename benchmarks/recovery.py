@@ -109,14 +109,16 @@ def main() -> int:
         "checkpoint_interval_s": args.checkpoint_minutes * 60, "detect_and_relaunch_s": detect_s,
         "loss_to_first_step_s": first_step_at - lost_at, "wall_baseline_s": base_wall, "wall_with_loss_s": loss_wall,
     }
-    print(f"recovery of a 2-host tiny run ({total_steps} steps, checkpoint every {numbers['checkpoint_interval_s']:g} s), "
+    print(f"recovery of a 2-host tiny run ({total_steps} steps, "
+          f"checkpoint every {numbers['checkpoint_interval_s']:g} s), "
           f"one host lost at step {step_at_loss}:")
     print(f"  detect + relaunch    {detect_s:6.1f} s   (noticed after {noticed_s:.1f} s, relaunched in "
           f"{event['relaunch_s']:.1f} s)")
     print(f"  to first step        {numbers['loss_to_first_step_s']:6.1f} s   (goal < {RESTART_GOAL_S:g} s)")
     print(f"  steps redone         {redone} (checkpoint at step {checkpoint_step}) = "
           f"{numbers['training_s_lost']:.1f} s of training   (goal <= interval {numbers['checkpoint_interval_s']:g} s)")
-    print(f"  wall overhead        {loss_wall - base_wall:6.1f} s: {loss_wall:.1f} s vs {base_wall:.1f} s without a loss "
+    print(f"  wall overhead        {loss_wall - base_wall:6.1f} s: "
+          f"{loss_wall:.1f} s vs {base_wall:.1f} s without a loss "
           f"= {loss_wall / base_wall:.2f}x")
     if args.out:
         args.out.write_text(json.dumps(numbers, indent=2) + "\n")

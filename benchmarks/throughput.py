@@ -83,7 +83,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[256, 192, 128] if cuda else [16, 16])
     parser.add_argument("--steps", type=int, default=30 if cuda else 3)
     parser.add_argument("--warmup", type=int, default=10 if cuda else 1)
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS) if cuda else ["baseline", "speedrun"], choices=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS) if cuda else ["baseline", "speedrun"],
+                        choices=list(VARIANTS))
     parser.add_argument("--json", help="also write the images/s per size and variant here")
     args = parser.parse_args()
     if len(args.batch) != len(args.sizes):
@@ -95,9 +96,11 @@ def main() -> None:
     print(f"{'size':>6} {'batch':>6} " + " ".join(f"{v:>14}" for v in args.variants) + f"   ratio vs {reference}")
     rows = []
     for size, batch in zip(args.sizes, args.batch):
-        rates = {v: images_per_second(args.model, size, batch, device, args.steps, args.warmup, **VARIANTS[v]) for v in args.variants}
+        rates = {v: images_per_second(args.model, size, batch, device, args.steps, args.warmup, **VARIANTS[v])
+                 for v in args.variants}
         ratios = ", ".join(f"{v} {rates[v] / rates[reference]:.2f}x" for v in args.variants if v != reference)
-        print(f"{size:>6} {batch:>6} " + " ".join(f"{rates[v]:>14.0f}" for v in args.variants) + f"   {ratios}", flush=True)
+        print(f"{size:>6} {batch:>6} " + " ".join(f"{rates[v]:>14.0f}" for v in args.variants) + f"   {ratios}",
+              flush=True)
         rows.append({"size": size, "batch": batch, "images_per_s": {v: round(r, 1) for v, r in rates.items()}})
         if args.json:  # after every size, atomically: a run cut short by a timeout keeps its finished rows
             write_text(args.json, json.dumps({

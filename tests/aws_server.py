@@ -24,7 +24,8 @@ tests. Between the two sits a small WSGI layer doing three things, and only thes
 The VPC range for tests is 198.51.100.0/24 (TEST-NET-2): speedrun gives zone i of the region the
 i-th /28 of it, which is network slot i of tests/netns.py, so the cluster's slot decides the zone
 (`zone`). A cluster with a second subnet (NetnsCluster.add_subnet) boots instances of a second
-zone too (`zones`), on the same bridge: the two zones' hosts reach each other as a VPC's subnets do. Nothing here sends a packet beyond loopback and the namespace hosts.
+zone too (`zones`), on the same bridge: the two zones' hosts reach each other as a VPC's subnets
+do. Nothing here sends a packet beyond loopback and the namespace hosts.
 
 Run it by hand (as root) for a shell session against it: `python tests/aws_server.py`.
 """
@@ -237,7 +238,8 @@ class AWSTestServer:
                     if re.fullmatch(r"TagSpecification\.1\.Tag\.\d+\.Key", k)}
             self.placement_groups[name] = {"name": name, "strategy": params.get("Strategy", "cluster"),
                                            "id": f"pg-{next(self._ids):017x}", "tags": tags}
-            body = f"<return>true</return><placementGroup>{self._group_xml(self.placement_groups[name])}</placementGroup>"
+            body = ("<return>true</return>"
+                    f"<placementGroup>{self._group_xml(self.placement_groups[name])}</placementGroup>")
         elif action == "DeletePlacementGroup":
             if name not in self.placement_groups:
                 return self._error(start_response, "InvalidPlacementGroup.Unknown",
@@ -270,8 +272,8 @@ class AWSTestServer:
     @staticmethod
     def _group_xml(g: dict[str, Any]) -> str:
         tags = "".join(f"<item><key>{escape(k)}</key><value>{escape(v)}</value></item>" for k, v in g["tags"].items())
-        return (f"<groupName>{escape(g['name'])}</groupName><strategy>{g['strategy']}</strategy><state>available</state>"
-                f"<groupId>{g['id']}</groupId><tagSet>{tags}</tagSet>")
+        return (f"<groupName>{escape(g['name'])}</groupName><strategy>{g['strategy']}</strategy>"
+                f"<state>available</state><groupId>{g['id']}</groupId><tagSet>{tags}</tagSet>")
 
 
 def main() -> None:

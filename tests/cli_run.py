@@ -1,4 +1,9 @@
-"""Running the `speedrun` command line from tests, as a user would (a fresh Python process)."""
+"""Running the `speedrun` command line from tests: as a user would (a fresh Python process:
+`speedrun`, `start`), or in this process (`speedrun_here`, for the unit tier: what a command says
+before it starts any work needs no process of its own), and checking a one-line error.
+"""
+import contextlib
+import io
 import subprocess
 import sys
 import time
@@ -13,6 +18,31 @@ def start(*args: str, **kw) -> subprocess.Popen:
     """Start `python -m speedrun ARGS` with its output piped; keyword arguments go to Popen."""
     return subprocess.Popen([sys.executable, "-m", "speedrun", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, **kw)
+
+
+def speedrun_here(*args: str) -> subprocess.CompletedProcess:
+    """Run `speedrun ARGS` through `speedrun.cli.main` in this process, capturing what it prints;
+    the result reads like `speedrun`'s (returncode, stdout, stderr)."""
+    from speedrun import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main(list(args))
+        except SystemExit as e:  # argparse: usage errors and --help
+            code = e.code if isinstance(e.code, int) else 2
+    return subprocess.CompletedProcess(["speedrun", *args], code, out.getvalue(), err.getvalue())
+
+
+def one_line_error(proc: subprocess.CompletedProcess, *expected: str, code: int = 2) -> str:
+    """Check that a command failed with exit `code` (2: bad input) and said why in exactly one
+    line, with no traceback, containing each of `expected`; return that line."""
+    assert proc.returncode == code, (proc.returncode, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    for text in expected:
+        assert text in lines[0], lines[0]
+    return lines[0]
 
 
 def wait_for(predicate, timeout_s: float, what: str):

@@ -1,13 +1,77 @@
-"""Fixtures shared by the trainer's tests: small real file systems (tmpfs mounts) for read-only
-and full-disk cases (see fs_helpers)."""
+"""The test tiers, and fixtures shared by the trainer's tests.
+
+Tiers: plain `pytest` runs the unit tier, the tests with none of the markers in FULL_TIER (under
+90 s on two cores); `pytest --full` (what scripts/test and CI run) runs every test. A unit-tier
+test that starts a process fails, naming the marker it needs: a process means a torch import,
+a server or a host, which is what makes a suite slow. `-m EXPR` chooses tests itself, as usual.
+
+Fixtures: small real file systems (tmpfs mounts) for read-only and full-disk cases (see fs_helpers),
+and the `speedrun train` runs that several test modules read, made once per session (full tier).
+"""
 from __future__ import annotations
 
+import contextlib
+import multiprocessing.process
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
+import torch  # noqa: F401  (here, before any test: its first import runs ldconfig, a process of its own)
+from cli_run import speedrun
 from fs_helpers import mount_tmpfs, require_root
+
+# A test with any of these markers runs only in the full suite (pyproject.toml describes each).
+FULL_TIER = ("slow", "netns", "aws")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--full", action="store_true",
+                     help="run every test, also those marked " + ", ".join(FULL_TIER) + " (scripts/test does)")
+
+
+def in_full_tier(item: pytest.Item) -> bool:
+    return any(item.get_closest_marker(m) for m in FULL_TIER)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--full") or config.getoption("markexpr"):
+        return
+    deselected = [item for item in items if in_full_tier(item)]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = [item for item in items if not in_full_tier(item)]
+
+
+@contextlib.contextmanager
+def no_process_started(item: pytest.Item) -> Iterator[None]:
+    """While a unit-tier test (or a fixture it sets up, of any scope) runs: starting a process fails
+    the test, naming what it needs instead."""
+    if in_full_tier(item):
+        yield
+        return
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{item.nodeid} starts a process: mark it slow (or netns, aws) "
+                             "to put it in the full suite, or do the work in this process")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(subprocess.Popen, "__init__", refuse)
+        patch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+        yield
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item):
+    with no_process_started(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    with no_process_started(item):
+        return (yield)
 
 
 def tmpfs(path: Path, options: str, what: str) -> Iterator[Path]:
@@ -27,3 +91,45 @@ def read_only_dir(tmp_path) -> Iterator[Path]:
 def small_disk(tmp_path) -> Iterator[Path]:
     """An 8 MiB file system, for filling up."""
     yield from tmpfs(tmp_path / "small", "size=8m", "the full-disk test")
+
+
+# Runs of the tiny recipe that several test modules read, made once per session: each is a
+# `speedrun train` process of its own (a torch import and a training run). Their users only read
+# them; a test that changes a run (--resume, a damaged file) copies it first (shutil.copytree).
+
+
+class MadeRun(NamedTuple):
+    """A run a fixture made: its directory and what `speedrun train` printed."""
+
+    out: Path
+    stdout: str
+
+
+def train_tiny(tmp_path_factory: pytest.TempPathFactory, *args: str, name: str = "run") -> MadeRun:
+    """`speedrun train --recipe tiny --device cpu ARGS` into a new directory called `name`."""
+    out = tmp_path_factory.mktemp("tiny") / name
+    proc = speedrun("train", "--recipe", "tiny", "--device", "cpu", *args, "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    return MadeRun(out, proc.stdout)
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory) -> Path:
+    """One deterministic run of the tiny recipe, logging every step: the uninterrupted run that
+    interrupted and killed ones must end exactly like (test_train, test_rundir)."""
+    return train_tiny(tmp_path_factory, "--deterministic", "--log-every", "1").out
+
+
+@pytest.fixture(scope="session")
+def tiny_one_epoch_run(tmp_path_factory) -> Path:
+    """A finished one-epoch run of the tiny recipe (test_experiments, test_failures_train,
+    test_distributed), under a long path (compare's tables must not cut it)."""
+    return train_tiny(tmp_path_factory, "--epochs", "1",
+                      name="a-run-directory-with-a-name-longer-than-any-column-" + "x" * 40).out
+
+
+@pytest.fixture(scope="session")
+def tiny_target_run(tmp_path_factory) -> MadeRun:
+    """A run of the tiny recipe that stopped at its target, top-1 0.2, before its last epoch
+    (test_train, test_failures_train): its directory and what it printed."""
+    return train_tiny(tmp_path_factory, "--target", "top1=0.2")

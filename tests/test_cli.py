@@ -1,34 +1,28 @@
-"""The command line: bad input gives one clear line on stderr and a non-zero exit, never a traceback."""
+"""The command line: bad input gives one clear line on stderr and a non-zero exit, never a
+traceback. What a command refuses before it starts work is checked in this process
+(`speedrun_here`); runs that train are real processes (the full tier)."""
 import json
 import os
-import subprocess
 
 import pytest
-from cli_run import speedrun
-
-
-def assert_one_line_error(proc: subprocess.CompletedProcess, *expected: str) -> None:
-    assert proc.returncode == 2, (proc.returncode, proc.stderr)
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
-    assert "Traceback" not in proc.stderr
-    for text in expected:
-        assert text in lines[0], lines[0]
+from cli_run import one_line_error as assert_one_line_error
+from cli_run import speedrun, speedrun_here
 
 
 def test_unknown_recipe_name(tmp_path):
-    assert_one_line_error(speedrun("train", "--recipe", "imagenet-3x8", "--out", str(tmp_path / "r")), "unknown recipe 'imagenet-3x8'")
+    assert_one_line_error(speedrun_here("train", "--recipe", "imagenet-3x8", "--out", str(tmp_path / "r")),
+                          "unknown recipe 'imagenet-3x8'")
 
 
 def test_missing_data_path(tmp_path):
-    proc = speedrun("train", "--recipe", "tiny", "--data", str(tmp_path / "nowhere"), "--out", str(tmp_path / "r"))
+    proc = speedrun_here("train", "--recipe", "tiny", "--data", str(tmp_path / "nowhere"), "--out", str(tmp_path / "r"))
     assert_one_line_error(proc, "does not exist", "dataset-fashion-mnist")
     assert not (tmp_path / "r" / "results.json").exists()
 
 
 def test_data_path_without_the_files(tmp_path):
     (tmp_path / "empty").mkdir()
-    proc = speedrun("train", "--recipe", "tiny", "--data", str(tmp_path / "empty"), "--out", str(tmp_path / "r"))
+    proc = speedrun_here("train", "--recipe", "tiny", "--data", str(tmp_path / "empty"), "--out", str(tmp_path / "r"))
     assert_one_line_error(proc, "does not hold the four Fashion-MNIST IDX files")
 
 
@@ -46,7 +40,8 @@ def test_bad_recipe_value(tmp_path, phase, expected):
         "from speedrun import Phase, Recipe\n"
         f"recipe = Recipe(name='bad', dataset='fashion-mnist', model='resnet-fmnist-tiny', phases=({phase},))\n"
     )
-    assert_one_line_error(speedrun("train", "--recipe", str(path), "--out", str(tmp_path / "r")), "phase 0", expected)
+    assert_one_line_error(speedrun_here("train", "--recipe", str(path), "--out", str(tmp_path / "r")),
+                          "phase 0", expected)
 
 
 def test_two_recipe_problems_are_both_reported(tmp_path):
@@ -55,7 +50,7 @@ def test_two_recipe_problems_are_both_reported(tmp_path):
         "from speedrun import Phase, Recipe\n"
         "recipe = Recipe(name='bad', phases=(Phase(0, 2, 28, 8, 0.1), Phase(3, 4, 28, 0, 0.1)))\n"
     )
-    proc = speedrun("train", "--recipe", str(path))
+    proc = speedrun_here("train", "--recipe", str(path))
     assert proc.returncode == 2
     assert "gap after the previous phase" in proc.stderr and "batch size" in proc.stderr
 
@@ -72,24 +67,25 @@ def test_two_recipe_problems_are_both_reported(tmp_path):
     ],
 )
 def test_bad_options(tmp_path, args, expected):
-    assert_one_line_error(speedrun("train", "--recipe", "tiny", "--out", str(tmp_path / "r"), *args), expected)
+    assert_one_line_error(speedrun_here("train", "--recipe", "tiny", "--out", str(tmp_path / "r"), *args), expected)
 
 
-def test_recipes_listing_and_table():
-    listing = speedrun("recipes")
+def test_recipes_listing_and_table(monkeypatch):
+    listing = speedrun_here("recipes")
     assert listing.returncode == 0
     for name in ("fashion-mnist", "tiny", "imagenet-1x8", "imagenet-16x8"):
         assert name in listing.stdout
-    table = speedrun("recipes", "imagenet-16x8", env={**os.environ, "COLUMNS": "200"})
+    monkeypatch.setenv("COLUMNS", "200")
+    table = speedrun_here("recipes", "imagenet-16x8")
     assert table.returncode == 0
     assert "1.88 -> 3.76" in table.stdout and "160 px copy" in table.stdout
     assert "0.08-1 ar0.75-1.33 flip" in table.stdout and "square 0.877" in table.stdout
-    assert_one_line_error(speedrun("recipes", "nope"), "unknown recipe 'nope'")
+    assert_one_line_error(speedrun_here("recipes", "nope"), "unknown recipe 'nope'")
 
 
 def test_every_command_has_help():
     for command in ([], ["train"], ["recipes"]):
-        proc = speedrun(*command, "--help")
+        proc = speedrun_here(*command, "--help")
         assert proc.returncode == 0 and "usage:" in proc.stdout
 
 
@@ -97,18 +93,21 @@ def test_an_image_folder_with_a_fashion_mnist_recipe_names_the_recipes_that_read
     from test_data_helpers import make_tree
 
     tree = make_tree(tmp_path / "tree", classes=2, train_per_class=1, val_per_class=1)
-    proc = speedrun("train", "--data", str(tree), "--out", str(tmp_path / "r"))
-    assert_one_line_error(proc, "is an image folder", "--recipe folder-small", "imagenet-1x8", "dataset=\"imagefolder\"")
+    proc = speedrun_here("train", "--data", str(tree), "--out", str(tmp_path / "r"))
+    assert_one_line_error(proc, "is an image folder", "--recipe folder-small", "imagenet-1x8",
+                          "dataset=\"imagefolder\"")
     assert "dataset-fashion-mnist" not in proc.stderr
 
 
 def test_folder_small_needs_an_image_folder(tmp_path):
-    assert_one_line_error(speedrun("train", "--recipe", "folder-small", "--out", str(tmp_path / "r")),
+    assert_one_line_error(speedrun_here("train", "--recipe", "folder-small", "--out", str(tmp_path / "r")),
                           "fitted to an image folder", "--data DIR")
-    assert_one_line_error(speedrun("train", "--recipe", "folder-small", "--data", str(tmp_path), "--out", str(tmp_path / "r")),
+    assert_one_line_error(speedrun_here("train", "--recipe", "folder-small", "--data", str(tmp_path),
+                                        "--out", str(tmp_path / "r")),
                           "is not one")
 
 
+@pytest.mark.slow
 def test_folder_small_trains_on_a_folder_at_the_folders_own_size(tmp_path):
     """`speedrun train --recipe folder-small --data DIR`: the sizes come from the folder's images
     (40 x 32 px here: the shorter side, 32 px, is the final size, after 24 and 28 px)."""
@@ -129,9 +128,11 @@ def test_folder_small_trains_on_a_folder_at_the_folders_own_size(tmp_path):
 def test_a_recipe_file_that_exits_is_an_error_not_a_silent_success(tmp_path):
     recipe = tmp_path / "exits.py"
     recipe.write_text("import sys\nsys.exit(0)\n")
-    assert_one_line_error(speedrun("train", "--recipe", str(recipe), "--out", str(tmp_path / "r")), "called exit(0)")
+    assert_one_line_error(speedrun_here("train", "--recipe", str(recipe), "--out", str(tmp_path / "r")),
+                          "called exit(0)")
 
 
+@pytest.mark.slow
 def test_files_skipped_at_indexing_are_counted_in_the_results(tmp_path):
     from test_data_helpers import make_tree
 
@@ -153,3 +154,38 @@ def test_files_skipped_at_indexing_are_counted_in_the_results(tmp_path):
     one = make_tree(tmp_path / "one", classes=1, train_per_class=4, val_per_class=1, sizes=[(40, 40)])
     assert_one_line_error(speedrun("train", "--recipe", str(recipe), "--data", str(one), "--device", "cpu",
                                    "--out", str(tmp_path / "r1")), "has 1 class", "at least 2")
+
+
+# Refusals of `speedrun train` before it trains, which the run directory's and the stopping
+# tests (test_rundir.py, test_stopping.py) once made in processes of their own.
+TINY = ["train", "--recipe", "tiny", "--device", "cpu"]
+
+
+def test_out_that_is_a_file_is_refused_before_loading(tmp_path):
+    (tmp_path / "file").write_text("x")
+    assert_one_line_error(speedrun_here(*TINY, "--out", str(tmp_path / "file")), "is a file")
+
+
+def test_a_refused_run_leaves_no_directory_behind(tmp_path):
+    # Refused after the run directory was claimed: nothing to resume, data that is not there.
+    for args, expected in ((["--resume"], "no checkpoint at"),
+                           (["--data", str(tmp_path / "nowhere")], "does not exist")):
+        assert_one_line_error(speedrun_here(*TINY, "--out", str(tmp_path / "r"), *args), expected)
+        assert not (tmp_path / "r").exists()
+    # A directory that was there before stays, as it was: without the lock file.
+    (tmp_path / "mine").mkdir()
+    for args in (["--resume"], ["--data", str(tmp_path / "nowhere")]):
+        assert_one_line_error(speedrun_here(*TINY, "--out", str(tmp_path / "mine"), *args))
+        assert list((tmp_path / "mine").iterdir()) == []
+
+
+def test_a_bad_checkpoint_interval_is_one_line(tmp_path):
+    r = speedrun_here(*TINY, "--checkpoint-every", "soon", "--out", str(tmp_path / "x"))
+    assert r.returncode == 2 and r.stderr.strip() == (
+        "speedrun: error: bad --checkpoint-every 'soon': give epochs (0 or more) or minutes, e.g. 10m")
+
+
+def test_a_spot_notice_url_that_is_not_one_is_one_line(tmp_path):
+    r = speedrun_here(*TINY, "--spot-notice-url", "169.254.169.254", "--out", str(tmp_path / "x"))
+    assert r.returncode == 2 and r.stderr.strip().startswith("speedrun: error: bad --spot-notice-url '169.254.169.254'")
+    assert "\n" not in r.stderr.strip()

@@ -128,6 +128,7 @@ def _truncate(path: Path) -> None:
     path.write_bytes(data[: len(data) // 2])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [0, 2])
 def test_truncated_and_vanished_files_are_counted_and_replaced_in_training(tmp_path, workers, caplog):
     # Headers are fine at index time; decoding fails later. The batch keeps its shape.
@@ -176,6 +177,7 @@ def test_all_bad_tree_is_a_clear_error(tmp_path):
         load_index(root, workers=1)
 
 
+@pytest.mark.slow
 def test_prepare_reports_bad_images_and_copies_the_rest(tmp_path):
     root = make_tree(tmp_path / "d", classes=2, train_per_class=3, sizes=[(200, 150)])
     for case in BAD_AT_INDEX:
@@ -225,6 +227,7 @@ def test_links_inside_a_class_or_out_of_the_tree_are_used_once(tmp_path):
     assert "used once" in reasons["train/c01/dup.JPEG"]
 
 
+@pytest.mark.slow
 def test_prepare_copies_no_image_twice_through_a_link(tmp_path):
     root = make_tree(tmp_path / "d", classes=2, train_per_class=2, val_per_class=1, sizes=[(120, 90)])
     (root / "train/c00/x").symlink_to("../..")

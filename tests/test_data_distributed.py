@@ -73,6 +73,7 @@ def tree(tmp_path_factory):
 
 
 # Each process start costs seconds (spawn imports torch): square validation only at world 3.
+@pytest.mark.slow
 @pytest.mark.parametrize("world,rect", [(1, True), (2, True), (3, True), (3, False)])
 def test_sharded_validation_matches_one_process(tree, tmp_path, world, rect):
     root = str(tree)

@@ -23,9 +23,10 @@ from test_data_helpers import make_tree, train_from_cli, write_jpeg
 CPU = torch.device("cpu")
 SIZES = [(120, 90), (90, 120), (160, 80), (100, 100), (70, 130)]
 PHASE = Phase(0, 1, size=32, batch_size=4, lr=0.1)
+WHOLE = Shard()  # one process reading all the data
 
 
-def _batches(source: ImageFolderSource, epoch: int, shard: Shard = Shard(), start_step: int = 0,
+def _batches(source: ImageFolderSource, epoch: int, shard: Shard = WHOLE, start_step: int = 0,
              phase: Phase = PHASE) -> list:
     stream = source.train_stream(phase, shard, seed=0)
     try:
@@ -50,6 +51,7 @@ def tree(tmp_path):
     return make_tree(tmp_path / "d", classes=3, train_per_class=8, sizes=SIZES)
 
 
+@pytest.mark.slow
 def test_the_same_images_crops_flips_and_labels_as_the_pil_loader(tree):
     pil, gpu = _sources(tree)
     assert gpu.loader == "gpu"
@@ -110,6 +112,7 @@ def test_the_header_says_which_files_nvjpeg_takes():
     assert gpu_unsupported(b"") == "not a JPEG"
 
 
+@pytest.mark.slow
 def test_odd_files_fall_back_to_the_cpu_and_bad_ones_are_replaced_as_in_the_pil_loader(tmp_path, caplog):
     root = make_tree(tmp_path / "d", classes=2, train_per_class=6, sizes=[(90, 70)])
     write_jpeg(root / "train/c00/img000.JPEG", 90, 70, seed=50, mode="CMYK")  # header says: CPU
@@ -180,6 +183,7 @@ def test_device_failures_are_raised_not_hidden_as_cpu_fallbacks(tree, monkeypatc
     assert source.cpu_fallbacks() == 0 and source.skipped_images()["failures"] == 0
 
 
+@pytest.mark.slow
 def test_an_epoch_left_midway_ends_its_decode_thread_and_the_next_epoch_is_whole(tree):
     source = ImageFolderSource(tree, workers=1, device=CPU, loader="gpu")
     stream = source.train_stream(PHASE, Shard(), 0)
@@ -196,6 +200,7 @@ def test_an_epoch_left_midway_ends_its_decode_thread_and_the_next_epoch_is_whole
         stream.close()
 
 
+@pytest.mark.slow
 def test_close_with_an_epoch_still_open_ends_its_decode_thread_before_the_workers(tree):
     # benchmarks/loader.py closed a stream while an epoch's iterator was still held: the decode
     # thread then read from workers being shut down, and lived on into interpreter shutdown.
@@ -213,6 +218,7 @@ def test_close_with_an_epoch_still_open_ends_its_decode_thread_before_the_worker
         next(batches)
 
 
+@pytest.mark.slow
 def test_a_tree_of_undecodable_files_is_one_clear_error(tmp_path):
     root = make_tree(tmp_path / "d", classes=2, train_per_class=4, sizes=[(90, 70)])
     source = ImageFolderSource(root, workers=1, device=CPU, loader="gpu")

@@ -46,7 +46,8 @@ def train_from_cli(tree: Path, tmp_path: Path, loader: str):
     recipe = tmp_path / "r.py"
     recipe.write_text(
         "from speedrun.recipe import Phase, Recipe\n"
-        f"recipe = Recipe('{loader}-loader', (Phase(0, 2, size=24, batch_size=8, lr=0.05),), model='resnet-fmnist-tiny',\n"
+        f"recipe = Recipe('{loader}-loader', (Phase(0, 2, size=24, batch_size=8, lr=0.05),), "
+        "model='resnet-fmnist-tiny',\n"
         "                dataset='imagefolder', val_batch_size=6)\n")
     out = tmp_path / "run"
     proc = speedrun("train", "--recipe", str(recipe), "--data", str(tree), "--loader", loader, "--workers", "1",

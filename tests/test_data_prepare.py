@@ -27,6 +27,7 @@ def _sizes(root):
     return out
 
 
+@pytest.mark.slow
 def test_shorter_side_resized_aspect_kept_never_upscaled(tmp_path):
     src = make_tree(tmp_path / "d", classes=2, train_per_class=3, val_per_class=1,
                     sizes=[(300, 200), (100, 250), (60, 40)])
@@ -46,6 +47,7 @@ def test_shorter_side_resized_aspect_kept_never_upscaled(tmp_path):
     assert s.images == 8 and s.bad == [] and s.resized + s.copied == 16 and s.skipped == 0
 
 
+@pytest.mark.slow
 def test_quality_option_changes_the_output(tmp_path):
     src = make_tree(tmp_path / "d", classes=1, train_per_class=2, val_per_class=1, sizes=[(300, 200)])
     prepare(src, tmp_path / "lo", [100], quality=20, workers=1, progress=False)
@@ -55,6 +57,7 @@ def test_quality_option_changes_the_output(tmp_path):
     assert lo < hi
 
 
+@pytest.mark.slow
 def test_resume_skips_finished_files_and_redoes_missing_ones(tmp_path, monkeypatch):
     src = make_tree(tmp_path / "d", classes=2, train_per_class=3, val_per_class=1, sizes=[(200, 150)])
     dst = tmp_path / "sz"
@@ -91,6 +94,7 @@ def test_interrupted_write_leaves_no_finished_looking_file(tmp_path, monkeypatch
     assert list(tmp_path.glob("out.JPEG*")) == [] and list(tmp_path.glob(".partial-*/*")) == []
 
 
+@pytest.mark.slow
 def test_trainer_reads_the_copy_named_by_the_phase_and_falls_back_once(tmp_path, caplog):
     src = make_tree(tmp_path / "imagenet", classes=2, train_per_class=4, val_per_class=2, sizes=[(300, 200)])
     prepare(src, tmp_path / "imagenet-sz", [64], workers=1, progress=False)  # the default place
@@ -105,6 +109,7 @@ def test_trainer_reads_the_copy_named_by_the_phase_and_falls_back_once(tmp_path,
     assert caplog.text.count("no 160 px copy") == 1
 
 
+@pytest.mark.slow
 def test_copies_dir_from_environment(tmp_path, monkeypatch):
     src = make_tree(tmp_path / "data", classes=2, train_per_class=2, val_per_class=1, sizes=[(300, 200)])
     prepare(src, tmp_path / "elsewhere", [64], workers=1, progress=False)
@@ -123,11 +128,17 @@ def test_copies_dir_from_environment(tmp_path, monkeypatch):
     assert full.min() < 250
 
 
-def test_cli_prepare_and_errors(tmp_path, capsys):
+@pytest.mark.slow
+def test_cli_prepare(tmp_path, capsys):
     src = make_tree(tmp_path / "d", classes=2, train_per_class=2, val_per_class=1, sizes=[(200, 150)])
     assert main(["data", "prepare", str(src), str(tmp_path / "sz"), "--sizes", "64", "--workers", "1"]) == 0
     out = capsys.readouterr().out
     assert "prepared 6 images" in out and "images/s per core" in out
+
+
+def test_cli_prepare_errors(tmp_path, capsys):
+    # Refused before any work starts: in the unit tier (prepare itself starts worker processes).
+    src = make_tree(tmp_path / "d", classes=2, train_per_class=2, val_per_class=1, sizes=[(200, 150)])
     assert main(["data", "prepare", str(tmp_path / "nope"), str(tmp_path / "sz")]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert main(["data", "prepare", str(src), str(tmp_path / "sz"), "--quality", "0"]) == 2
@@ -147,6 +158,7 @@ def test_cli_index_summarises(tmp_path, capsys):
     assert "train: 4 images" in out and "val: 2 images" in out and os.fspath(src) in out
 
 
+@pytest.mark.slow
 def test_workers_die_with_a_killed_prepare_and_a_rerun_finishes_cleanly(tmp_path):
     # kill -9 of the main process (what the OOM killer does) must not leave workers writing.
     src = make_tree(tmp_path / "d", classes=2, train_per_class=150, val_per_class=5, sizes=[(640, 480)])
@@ -186,16 +198,23 @@ def zombie(pid: int) -> bool:
         return False
 
 
-def test_cli_refuses_workers_below_one_and_a_read_only_destination(tmp_path, read_only_dir, capsys):
+def test_cli_refuses_workers_below_one(tmp_path, capsys):
     src = make_tree(tmp_path / "d", classes=2, train_per_class=2, val_per_class=1)
     for argv, expected in (
         (["prepare", str(src), str(tmp_path / "sz"), "--workers", "0"], "--workers must be at least 1, got 0"),
         (["prepare", str(src), str(tmp_path / "sz"), "--workers", "-1"], "--workers must be at least 1, got -1"),
         (["index", str(src), "--workers", "-1"], "--workers must be at least 1, got -1"),
         (["index", str(src), "--workers", "0"], "--workers must be at least 1, got 0"),
-        (["prepare", str(src), str(read_only_dir / "sz"), "--workers", "1"], "is on a read-only file system"),
     ):
         assert main(["data", *argv]) == 2
         err = capsys.readouterr().err
         assert expected in err and len(err.strip().splitlines()) == 1, (argv, err)
     assert not (tmp_path / "sz").exists()
+
+
+@pytest.mark.slow  # the read-only file system is a tmpfs mount (a process)
+def test_cli_refuses_a_read_only_destination(tmp_path, read_only_dir, capsys):
+    src = make_tree(tmp_path / "d", classes=2, train_per_class=2, val_per_class=1)
+    assert main(["data", "prepare", str(src), str(read_only_dir / "sz"), "--workers", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "is on a read-only file system" in err and len(err.strip().splitlines()) == 1, err

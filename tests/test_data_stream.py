@@ -45,8 +45,8 @@ def test_ranks_together_see_what_one_process_sees(tree):
              for r in range(2)]
     assert len(one) == len(ranks[0]) == len(ranks[1]) == 3
     for step, (images, labels) in enumerate(one):
-        joined = {(int(l), bytes(x.contiguous().numpy())) for rank in ranks for x, l in zip(*rank[step])}
-        single = {(int(l), bytes(x.contiguous().numpy())) for x, l in zip(images, labels)}
+        joined = {(int(label), bytes(x.contiguous().numpy())) for rank in ranks for x, label in zip(*rank[step])}
+        single = {(int(label), bytes(x.contiguous().numpy())) for x, label in zip(images, labels)}
         assert joined == single
 
 
@@ -61,6 +61,7 @@ def test_epochs_and_seeds_change_the_order_and_the_crops(tree):
     assert not torch.equal(a[0], c[0]) and not torch.equal(a[0], d[0])
 
 
+@pytest.mark.slow
 def test_batch_size_change_keeps_the_same_workers(tree):
     source = ImageFolderSource(tree, workers=2)
     stream = source.train_stream(Phase(0, 1, size=32, batch_size=4, lr=0.1), Shard(), 0)
@@ -80,20 +81,21 @@ def test_batch_size_change_keeps_the_same_workers(tree):
     assert stream.worker_pids() == []
 
 
+@pytest.mark.slow
 def test_workers_and_in_process_decoding_give_identical_batches(tree):
     phase = Phase(0, 1, size=32, batch_size=6, lr=0.1)
     a = _epoch(ImageFolderSource(tree, workers=0), phase, Shard(), epoch=2)
     b = _epoch(ImageFolderSource(tree, workers=2), phase, Shard(), epoch=2)
-    assert all(torch.equal(x, y) and torch.equal(l, m) for (x, l), (y, m) in zip(a, b))
+    assert all(torch.equal(x, y) and torch.equal(labels_x, labels_y) for (x, labels_x), (y, labels_y) in zip(a, b))
 
 
 def test_train_examples_subset_spans_the_classes(tree):
     # The first 6 training (or 2 validation) images would all be class 0.
     source = ImageFolderSource(tree, workers=0, train_examples=6, val_examples=2)
     assert (source.num_train, source.num_val) == (6, 2)
-    labels = torch.cat([l for _, l in _epoch(source, Phase(0, 1, size=32, batch_size=6, lr=0.1), Shard())])
+    labels = torch.cat([y for _, y in _epoch(source, Phase(0, 1, size=32, batch_size=6, lr=0.1), Shard())])
     assert len(labels) == 6 and len(set(labels.tolist())) > 1
-    val = torch.cat([l for _, l in source.val_batches(32, 8, False, Shard())])
+    val = torch.cat([y for _, y in source.val_batches(32, 8, False, Shard())])
     assert len(val) == 2 and len(set(val.tolist())) > 1
 
 
@@ -115,4 +117,5 @@ def test_the_dali_loader_without_dali_is_a_clear_error_and_auto_means_pil_on_the
         ImageFolderSource(tree, workers=0, device=torch.device("cpu"), loader="dali")
     source = ImageFolderSource(tree, workers=0, device=torch.device("cpu"))
     assert source.loader == "pil"
-    assert isinstance(source.train_stream(Phase(0, 1, size=32, batch_size=4, lr=0.1), Shard(), 0), ImageFolderTrainStream)
+    assert isinstance(source.train_stream(Phase(0, 1, size=32, batch_size=4, lr=0.1), Shard(), 0),
+                      ImageFolderTrainStream)

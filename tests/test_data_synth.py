@@ -52,7 +52,8 @@ def test_garment_sits_off_centre_so_a_centre_crop_loses_it():
 
 @pytest.mark.skipif(not (FMNIST_DIR / "t10k-images-idx3-ubyte.gz").is_file(), reason="needs dataset-fashion-mnist")
 def test_fmnist_tree_from_the_real_idx_files(tmp_path, capsys):
-    assert main(["data", "synth", "fmnist-tree", str(tmp_path / "f"), "--train", "40", "--val", "20", "--workers", "1"]) == 0
+    assert main(["data", "synth", "fmnist-tree", str(tmp_path / "f"),
+                 "--train", "40", "--val", "20", "--workers", "1"]) == 0
     idx = load_index(tmp_path / "f", workers=1)
     assert (len(idx.train), len(idx.val), len(idx.classes)) == (40, 20, 10)
     labels = read_idx(FMNIST_DIR / "train-labels-idx1-ubyte.gz")[:40]
@@ -89,6 +90,7 @@ def test_synth_refuses_what_it_cannot_make_in_one_line(tmp_path, capsys, kind, a
     assert not (tmp_path / "t").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["imagenet", "fmnist-tree"])
 def test_synth_into_a_file_or_a_read_only_folder_is_one_line(tmp_path, read_only_dir, capsys, kind):
     (tmp_path / "afile").write_text("x")

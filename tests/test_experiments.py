@@ -5,7 +5,7 @@ import signal
 
 import pytest
 
-from cli_run import speedrun, start, wait_for
+from cli_run import speedrun, speedrun_here, start, wait_for
 from speedrun.ablate import FULL, TRICKS, variants
 from speedrun.compare import compare, differing_fields, flatten_recipe, read_run
 from speedrun.recipes import BUILTIN
@@ -22,6 +22,7 @@ def table_rows(stdout: str) -> list[str]:
     return [line for line in stdout.splitlines() if line.strip().startswith(("r-", "live"))]
 
 
+@pytest.mark.slow
 def test_compare_finished_unfinished_not_reached_and_different_recipes(tmp_path):
     slower = tmp_path / "slower.py"
     slower.write_text("import dataclasses\nfrom speedrun.recipes import BUILTIN\n"
@@ -36,9 +37,11 @@ def test_compare_finished_unfinished_not_reached_and_different_recipes(tmp_path)
         proc = speedrun("train", *args, "--out", str(tmp_path / name))
         assert proc.returncode == 0, proc.stderr
     # A run that is still going: results.json says "running" after its first evaluation.
-    live = start("train", "--recipe", "tiny", "--epochs", "50", "--target", "top1=0.99", "--out", str(tmp_path / "live"))
+    live = start("train", "--recipe", "tiny", "--epochs", "50", "--target", "top1=0.99",
+                 "--out", str(tmp_path / "live"))
     try:
-        wait_for(lambda: (tmp_path / "live/results.json").is_file() and results(tmp_path / "live")["status"] == "running",
+        wait_for(lambda: ((tmp_path / "live/results.json").is_file()
+                          and results(tmp_path / "live")["status"] == "running"),
                  120, "the live run's first evaluation")
         proc = speedrun("compare", "r-not-reached", "live", "r-reached", "r-other-recipe", "--plot", "cmp.png",
                         env=WIDE, cwd=tmp_path)
@@ -59,9 +62,11 @@ def test_compare_finished_unfinished_not_reached_and_different_recipes(tmp_path)
     assert {"optimizer.weight_decay", "target.value", "epochs"} <= set(result.differing)
     assert "optimizer.momentum" not in result.differing and "model" not in result.differing
     rows = {row["run"].rsplit("/", 1)[-1]: row for row in result.rows()}
-    assert rows["r-other-recipe"]["optimizer.weight_decay"] == "0.001" and rows["r-reached"]["optimizer.weight_decay"] == "0.0005"
+    assert (rows["r-other-recipe"]["optimizer.weight_decay"] == "0.001"
+            and rows["r-reached"]["optimizer.weight_decay"] == "0.0005")
     assert rows["r-not-reached"]["target.value"] == "0.99" and rows["r-not-reached"]["epochs"] == "2"
-    assert rows["r-not-reached"]["time to target"] == "not reached" and rows["r-reached"]["time to target"].endswith(" s")
+    assert (rows["r-not-reached"]["time to target"] == "not reached"
+            and rows["r-reached"]["time to target"].endswith(" s"))
     # Once it is stopped the same run reads "interrupted"; a run that says running with no process
     # holding it (killed outright) reads "stopped".
     assert results(tmp_path / "live")["status"] == "interrupted"
@@ -73,7 +78,7 @@ def test_compare_finished_unfinished_not_reached_and_different_recipes(tmp_path)
 
 def test_compare_refuses_what_is_not_a_run(tmp_path):
     for args, expected in (([str(tmp_path)], "holds no run"), (["no-such-job"], "neither a directory nor a job")):
-        proc = speedrun("compare", *args, "--plot", str(tmp_path / "x.png"))
+        proc = speedrun_here("compare", *args, "--plot", str(tmp_path / "x.png"))
         assert proc.returncode == 2 and expected in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
@@ -117,6 +122,7 @@ def test_turned_off_tricks_mean_what_the_help_says():
     assert flatten_recipe(v["no-wd-norm"].to_dict())["optimizer.no_decay"] == "none"
 
 
+@pytest.mark.slow
 def test_ablate_runs_every_variant_with_two_seeds_and_an_interrupted_one_finishes_the_rest(tmp_path):
     out = tmp_path / "abl"
     argv = ["ablate", "tiny", "--only", "warmup,zero-init", "--seeds", "2", "--target", "top1=0.6", "--out", str(out)]
@@ -154,18 +160,16 @@ def test_ablate_runs_every_variant_with_two_seeds_and_an_interrupted_one_finishe
 
 def test_ablate_refuses_unknown_and_unused_tricks(tmp_path):
     for only, expected in (("nope", "unknown trick nope"), ("rect-val", "does not use rect-val")):
-        proc = speedrun("ablate", "tiny", "--only", only, "--out", str(tmp_path / "a"))
+        proc = speedrun_here("ablate", "tiny", "--only", only, "--out", str(tmp_path / "a"))
         assert proc.returncode == 2 and expected in proc.stderr, proc.stderr
     assert not (tmp_path / "a").exists()
 
 
-@pytest.fixture(scope="module")
-def one_run(tmp_path_factory):
-    """A finished one-epoch run of the tiny recipe, under a long path (tables must not cut it)."""
-    out = tmp_path_factory.mktemp("cmp") / ("a-run-directory-with-a-name-longer-than-any-column-" + "x" * 40)
-    proc = speedrun("train", "--recipe", "tiny", "--epochs", "1", "--device", "cpu", "--out", str(out))
-    assert proc.returncode == 0, proc.stderr
-    return out
+@pytest.fixture
+def one_run(tiny_one_epoch_run):
+    """A finished one-epoch run of the tiny recipe, under a long path (tables must not cut it);
+    made once per session (conftest.py)."""
+    return tiny_one_epoch_run
 
 
 def bad_runs(root, good) -> dict[str, str]:
@@ -178,8 +182,8 @@ def bad_runs(root, good) -> dict[str, str]:
         (root / name / "results.json").write_text(json.dumps(content))
     (root / "cut").mkdir()
     (root / "cut/results.json").write_text('{"status": "fini')
-    return {"list": "the whole file is []", "string-recipe": 'recipe is "tiny"', "string-time": 'time_to_target_s is "12 s"',
-            "cut": "is not JSON"}
+    return {"list": "the whole file is []", "string-recipe": 'recipe is "tiny"',
+            "string-time": 'time_to_target_s is "12 s"', "cut": "is not JSON"}
 
 
 @pytest.mark.slow
@@ -210,7 +214,7 @@ def test_compare_names_bad_runs_and_prints_the_rest_whole_when_piped(one_run, tm
 @pytest.mark.slow
 def test_compare_with_only_bad_runs_is_one_line(one_run, tmp_path):
     expected = bad_runs(tmp_path, one_run)
-    proc = speedrun("compare", *(str(tmp_path / n) for n in expected), "--plot", str(tmp_path / "p.png"))
+    proc = speedrun_here("compare", *(str(tmp_path / n) for n in expected), "--plot", str(tmp_path / "p.png"))
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "nothing to compare" in proc.stderr and all(why in proc.stderr for why in expected.values())
 
@@ -248,7 +252,7 @@ def test_ablate_refuses_no_trick_a_run_directory_and_a_read_only_out(one_run, re
         (["--out", str(read_only_dir / "abl")], "Read-only file system"),
         (["--out", str(one_run / "results.json")], "is a file"),
     ):
-        proc = speedrun("ablate", "tiny", *args)
+        proc = speedrun_here("ablate", "tiny", *args)
         assert proc.returncode == 2 and expected in proc.stderr, (args, proc.stderr)
         assert len(proc.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "a").exists() and sorted(p.name for p in one_run.iterdir()) == before

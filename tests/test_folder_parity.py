@@ -37,6 +37,7 @@ def folder_order(source: ImageFolderSource, split: str) -> np.ndarray:
     return np.array([int(index.path(i).rsplit("_", 1)[1].split(".")[0]) for i in range(len(index))])
 
 
+@pytest.mark.slow
 def test_folder_labels_name_the_same_garments(plain_tree):
     """Class folders are sorted by name, so label numbers differ from Fashion-MNIST's; the
     garments behind them are the same."""
@@ -46,6 +47,7 @@ def test_folder_labels_name_the_same_garments(plain_tree):
     assert [folder.classes[i] for i in labels] == [FMNIST_CLASSES[i] for i in memory.val_labels[order]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["fashion-mnist", "tiny"])
 def test_each_phase_evaluates_the_same_images_on_both_paths(plain_tree, recipe):
     """Every phase of the built-in Fashion-MNIST recipes evaluates the whole garment on both paths
@@ -57,7 +59,8 @@ def test_each_phase_evaluates_the_same_images_on_both_paths(plain_tree, recipe):
     for phase in BUILTIN[recipe].phases:
         assert phase.crop_pct == 1.0
         got = torch.cat([x for x, _ in folder.val_batches(phase.size, 128, False, Shard(), crop_pct=phase.crop_pct)])
-        want = torch.cat([x for x, _ in memory.val_batches(phase.size, 128, False, Shard(), crop_pct=phase.crop_pct)])[order]
+        want = torch.cat([x for x, _ in memory.val_batches(phase.size, 128, False, Shard(),
+                                                           crop_pct=phase.crop_pct)])[order]
         assert got.shape == (VAL, 3, phase.size, phase.size)
         assert (got[:, 0] == got[:, 1]).all() and (got[:, 0] == got[:, 2]).all()  # gray stays gray
         diff = (got[:, 0].float() - want[:, 0].float()).abs()
@@ -67,6 +70,7 @@ def test_each_phase_evaluates_the_same_images_on_both_paths(plain_tree, recipe):
             assert diff.mean() < 1.5, diff.mean()
 
 
+@pytest.mark.slow
 def test_crop_pct_below_one_zooms_in_as_the_imagenet_recipes_do(plain_tree):
     folder, memory = ImageFolderSource(plain_tree, workers=0), FashionMNIST(None, val_examples=VAL)
     whole = next(iter(memory.val_batches(28, 8, False, Shard(), crop_pct=1.0)))[0]
@@ -83,10 +87,12 @@ def shift(image: torch.Tensor, dx: int, dy: int) -> torch.Tensor:
     """`image` (H x W) moved right by dx and down by dy pixels, zeros where nothing moved in."""
     out = torch.zeros_like(image)
     h, w = image.shape
-    out[max(dy, 0) : h + min(dy, 0), max(dx, 0) : w + min(dx, 0)] = image[max(-dy, 0) : h - max(dy, 0), max(-dx, 0) : w - max(dx, 0)]
+    out[max(dy, 0) : h + min(dy, 0), max(dx, 0) : w + min(dx, 0)] = (
+        image[max(-dy, 0) : h - max(dy, 0), max(-dx, 0) : w - max(dx, 0)])
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flip", [True, False])
 def test_folder_training_crops_follow_the_phase_geometry(plain_tree, flip):
     """With the Fashion-MNIST geometry (whole image, shape kept, 2 px translation) a folder
@@ -123,9 +129,11 @@ def test_crop_params_with_translation_and_kept_shape():
     assert {(x, y) for x, y, _, _ in boxes} == {(x, y) for x in range(-2, 3) for y in range(-2, 3)}
     # Without translation the rule is torchvision's: the same draws give the same boxes as before.
     a, b = random.Random(5), random.Random(5)
-    assert [crop_params(500, 375, 0.08, a) for _ in range(100)] == [crop_params(500, 375, 0.08, b, (3 / 4, 4 / 3), 0.0) for _ in range(100)]
+    assert ([crop_params(500, 375, 0.08, a) for _ in range(100)]
+            == [crop_params(500, 375, 0.08, b, (3 / 4, 4 / 3), 0.0) for _ in range(100)])
 
 
+@pytest.mark.slow
 def test_the_cli_trains_the_folder_to_the_in_memory_accuracy(tmp_path):
     """`speedrun train` on the tiny recipe's images as a PNG folder, with the tiny recipe read
     from a file that changes only the dataset, ends within 2 points of the in-memory run's top-1,

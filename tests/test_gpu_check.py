@@ -18,6 +18,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_gpu_check_runs_every_step_and_summarises_them(tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "OUT": str(out), "GPU_CHECK_SMOKE": "1"}

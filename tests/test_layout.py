@@ -1,11 +1,22 @@
 """The tree's promise (docs/architecture.md): imports only go downwards, so there is no import
-cycle among speedrun's modules, counting imports inside functions too."""
+cycle among speedrun's modules (counting imports inside functions, and a package's face: a
+submodule importing names from its own package's `__init__`, which imports it back, is a cycle);
+the cluster wing stands on the shared base alone; data and models never reach up into the loop;
+no library module imports a command module. Each test names every import that breaks its rule."""
 import ast
+import os
 from pathlib import Path
 
 import speedrun
 
-SRC = Path(speedrun.__file__).parent
+# The tree to check; SPEEDRUN_LAYOUT_SRC points the rules at another checkout's src/speedrun
+# (how the layer test was shown failing on the tree before the cluster stopped importing stopping.py).
+SRC = Path(os.environ.get("SPEEDRUN_LAYOUT_SRC", Path(speedrun.__file__).parent))
+# Below both halves: what the trainer and the cluster wing may share.
+BASE = {"speedrun", "speedrun.errors", "speedrun.files", "speedrun.spot"}
+# The loop and what only it uses: nothing below it (recipes, data, models) imports these.
+LOOP = {"speedrun.engine", "speedrun.learner", "speedrun.checkpoint", "speedrun.stopping", "speedrun.track",
+        "speedrun.rundir", "speedrun.local_launch"}
 
 
 def module_name(path: Path) -> str:
@@ -14,8 +25,8 @@ def module_name(path: Path) -> str:
 
 
 def imports(path: Path, modules: set[str]) -> set[str]:
-    """The speedrun modules `path` imports (a package's own ancestors excluded: Python imports a
-    package before its submodules anyway)."""
+    """The speedrun modules `path` imports. `from pkg import name` counts as importing `pkg.name`
+    when that is a module, else as importing the package's face `pkg` (also from inside pkg)."""
     me = module_name(path)
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
@@ -25,12 +36,27 @@ def imports(path: Path, modules: set[str]) -> set[str]:
                 found.add(sub if sub in modules else node.module)
         elif isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.startswith("speedrun"))
-    return {m for m in found if m in modules and m != me and not me.startswith(m + ".")}
+    return {m for m in found if m in modules and m != me}
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Every speedrun module -> the speedrun modules it imports."""
+    paths = {module_name(p): p for p in SRC.rglob("*.py")}
+    return {name: imports(path, set(paths)) for name, path in paths.items()}
+
+
+def within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def is_command(module: str) -> bool:
+    """A command module (docs/architecture.md): cli.py, <area>/cli.py or <area>_cli.py."""
+    last = module.rsplit(".", 1)[-1]
+    return last == "cli" or last.endswith("_cli")
 
 
 def test_no_import_cycles():
-    paths = {module_name(p): p for p in SRC.rglob("*.py")}
-    graph = {name: imports(path, set(paths)) for name, path in paths.items()}
+    graph = import_graph()
     assert graph["speedrun.engine"] >= {"speedrun.learner", "speedrun.checkpoint"}  # the scan sees imports
 
     cycles, state = [], {}
@@ -48,3 +74,30 @@ def test_no_import_cycles():
         if name not in state:
             visit(name, [name])
     assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_no_library_module_imports_a_command_module():
+    """docs/architecture.md: the command modules (cli.py, <area>/cli.py, <area>_cli.py) parse,
+    check and print; the library code they call never imports them back."""
+    graph = import_graph()
+    library = {name for name in graph if not is_command(name) and name != "speedrun.__main__"}
+    assert "speedrun.engine" in library and "speedrun.train_cli" not in library
+    wrong = sorted(f"{name} -> {m}" for name in library for m in graph[name] if is_command(m))
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_cluster_wing_stands_on_the_shared_base_alone():
+    """speedrun.cluster runs any command on any hosts: it imports nothing of the trainer."""
+    graph = import_graph()
+    assert graph["speedrun.cluster.registry"]  # the scan sees the wing's imports
+    wrong = sorted(f"{name} -> {m}" for name in graph if within(name, "speedrun.cluster")
+                   for m in graph[name] if not within(m, "speedrun.cluster") and m not in BASE)
+    assert not wrong, "the cluster wing imports the trainer:\n" + "\n".join(wrong)
+
+
+def test_recipes_data_and_models_never_reach_up_into_the_loop_or_the_cluster():
+    graph = import_graph()
+    floors = ("speedrun.recipe", "speedrun.recipes", "speedrun.data", "speedrun.model", "speedrun.optim")
+    wrong = sorted(f"{name} -> {m}" for name in graph if any(within(name, f) for f in floors)
+                   for m in graph[name] if m in LOOP or within(m, "speedrun.cluster") or is_command(m))
+    assert not wrong, "\n".join(wrong)

@@ -32,7 +32,8 @@ def test_norm_bias_mode_decays_only_conv_and_linear_weights():
     m = Mixed()
     decayed, undecayed = decayed_and_not(m, "norm_bias")
     assert decayed == ids([m.conv.weight, m.fc.weight])
-    assert undecayed == ids([m.conv.bias, m.bn.weight, m.bn.bias, m.gn.weight, m.gn.bias, m.ln.weight, m.ln.bias, m.fc.bias])
+    assert undecayed == ids([m.conv.bias, m.bn.weight, m.bn.bias, m.gn.weight, m.gn.bias, m.ln.weight, m.ln.bias,
+                             m.fc.bias])
 
 
 def test_original_mode_exempts_batchnorm_only():

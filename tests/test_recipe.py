@@ -60,7 +60,8 @@ def test_linear_scaling_rule_for_other_world_sizes():
     assert recipe.lr_at(0, 0, 10, world_size=8) == pytest.approx(0.8)
     assert recipe.lr_at(0, 0, 10, world_size=2) == pytest.approx(0.2)
     assert recipe.lr_at(0, 9, 10, world_size=16) == pytest.approx(0.8 * (1 + 0.9 / 5))  # warming up
-    assert make(Phase(0, 6, size=8, batch_size=4, lr=0.8), world_size=8).lr_at(5, 0, 10, world_size=16) == pytest.approx(1.6)
+    assert (make(Phase(0, 6, size=8, batch_size=4, lr=0.8), world_size=8).lr_at(5, 0, 10, world_size=16)
+            == pytest.approx(1.6))
 
 
 @pytest.mark.parametrize(
@@ -155,7 +156,8 @@ def test_recipe_file_loading(tmp_path):
     )
     assert load_recipe(str(good)).name == "mine"
     bad = tmp_path / "bad.py"
-    bad.write_text("from speedrun import Phase, Recipe\nrecipe = Recipe(name='bad', phases=(Phase(0, 1, 28, 0, 0.1),))\n")
+    bad.write_text("from speedrun import Phase, Recipe\n"
+                   "recipe = Recipe(name='bad', phases=(Phase(0, 1, 28, 0, 0.1),))\n")
     with pytest.raises(RecipeError, match="batch size"):
         load_recipe(str(bad))
     with pytest.raises(RecipeError, match="must define a variable `recipe`"):
@@ -228,7 +230,8 @@ def test_builtin_imagenet_schedules_equal_the_record_tables(name):
     assert got == rows
     # The 2018 loader's geometry on every row: torchvision's aspect jitter, no translation,
     # flips, and validation resized to 1.14x the size then centre-cropped.
-    assert {(p.ratio, p.translate, p.flip, p.crop_pct) for p in recipe.phases} == {((3 / 4, 4 / 3), 0.0, True, 1 / 1.14)}
+    assert ({(p.ratio, p.translate, p.flip, p.crop_pct) for p in recipe.phases}
+            == {((3 / 4, 4 / 3), 0.0, True, 1 / 1.14)})
 
 
 def test_batch_size_only_changes_share_the_data_key():

@@ -2,8 +2,8 @@
 it leaves in its run directory, resuming after an interruption, and how the loop uses data."""
 import dataclasses
 import json
+import shutil
 import signal
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,15 +23,11 @@ TINY = BUILTIN["tiny"]
 CPU = DistContext(0, 1, 0, torch.device("cpu"))  # one process on the CPU
 
 
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory) -> Path:
-    """One deterministic run of the tiny recipe, logging every step."""
-    out = tmp_path_factory.mktemp("tiny") / "run"
-    proc = speedrun("train", "--recipe", "tiny", "--device", "cpu", "--deterministic", "--log-every", "1", "--out", str(out))
-    assert proc.returncode == 0, proc.stderr
-    return out
+# tiny_run (one deterministic run of the tiny recipe, logging every step) and tiny_target_run are
+# made once per session, in conftest.py.
 
 
+@pytest.mark.slow
 def test_tiny_run_learns_far_above_chance(tiny_run):
     results = json.loads((tiny_run / "results.json").read_text())
     assert results["status"] == "finished"
@@ -43,6 +39,7 @@ def test_tiny_run_learns_far_above_chance(tiny_run):
     assert results["device"].startswith("cpu")
 
 
+@pytest.mark.slow
 def test_lr_of_every_logged_step_equals_the_recipe(tiny_run):
     steps = read_jsonl(tiny_run / "steps.jsonl")
     n = TINY.train_examples
@@ -55,6 +52,7 @@ def test_lr_of_every_logged_step_equals_the_recipe(tiny_run):
     assert all(r["loss"] > 0 for r in steps)
 
 
+@pytest.mark.slow
 def test_run_directory_holds_events_metrics_plot_and_checkpoint(tiny_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -78,6 +76,7 @@ def test_run_directory_holds_events_metrics_plot_and_checkpoint(tiny_run):
     assert saved["state"]["epoch"] == TINY.epochs
 
 
+@pytest.mark.slow
 def test_resume_after_interruption_ends_exactly_like_an_uninterrupted_run(tiny_run, tmp_path):
     out = tmp_path / "run"
     args = ["train", "--recipe", "tiny", "--device", "cpu", "--deterministic", "--log-every", "1", "--out", str(out)]
@@ -104,6 +103,7 @@ def test_resume_after_interruption_ends_exactly_like_an_uninterrupted_run(tiny_r
     assert read_jsonl(out / "steps.jsonl") == read_jsonl(tiny_run / "steps.jsonl")
 
 
+@pytest.mark.slow
 def test_batch_size_only_change_keeps_the_train_stream(tmp_path, monkeypatch):
     """Phase 0 -> 1 of the tiny recipe changes only the batch size: the loop must reuse the same
     stream (no new dataset, no new workers); 1 -> 2 changes the image size and needs a new one."""
@@ -129,6 +129,7 @@ def test_batch_size_only_change_keeps_the_train_stream(tmp_path, monkeypatch):
     assert made[0][1].batch_size == 128  # the same object, re-batched for phase 1
 
 
+@pytest.mark.slow
 def test_ema_weights_are_what_is_evaluated_and_saved(tmp_path):
     """With ema_decay the evaluation runs on the moving average, which the checkpoint holds next
     to the raw weights."""
@@ -181,15 +182,14 @@ def test_eval_flip_averages_each_image_with_its_mirror():
     assert both["count"] == plain["count"] == 300
 
 
-def test_resuming_a_run_that_reached_its_target_trains_no_more(tmp_path):
-    out = tmp_path / "run"
+@pytest.mark.slow
+def test_resuming_a_run_that_reached_its_target_trains_no_more(tiny_target_run, tmp_path):
+    out = shutil.copytree(tiny_target_run.out, tmp_path / "run")  # made by `speedrun train ARGS` (conftest.py)
     args = ["train", "--recipe", "tiny", "--device", "cpu", "--target", "top1=0.2", "--out", str(out)]
-    first = speedrun(*args)
-    assert first.returncode == 0, first.stderr
     reached = json.loads((out / "results.json").read_text())
     assert reached["status"] == "target_reached" and reached["epochs_run"] < TINY.epochs
     # One numbering: results.json's target epoch is the one the log printed (1-based).
-    assert f"reached at epoch {reached['target_epoch']}:" in first.stdout
+    assert f"reached at epoch {reached['target_epoch']}:" in tiny_target_run.stdout
     assert reached["target_epoch"] == reached["epochs_run"] == read_jsonl(out / "metrics.jsonl")[-1]["epoch"]
     steps_before = read_jsonl(out / "steps.jsonl")
 
@@ -203,6 +203,7 @@ def test_resuming_a_run_that_reached_its_target_trains_no_more(tmp_path):
     assert len(read_jsonl(out / "metrics.jsonl")) == reached["epochs_run"]
 
 
+@pytest.mark.slow
 def test_fp16_autocast_trains_with_a_gradient_scaler(tmp_path):
     """GPUs without bf16 (V100, T4) train in fp16 with a gradient scaler; the same code runs on
     the CPU here. The scaler's state is saved with the checkpoint."""
@@ -234,6 +235,7 @@ def test_bf16_on_a_gpu_without_it_is_refused():
         choose_precision("bf16", "cuda", (7, 0))
 
 
+@pytest.mark.slow
 def test_compiled_model_trains_and_evaluates(tmp_path):
     recipe = dataclasses.replace(TINY.with_epochs(1), train_examples=512, val_examples=100)
     results = engine.train(TrainConfig(recipe=recipe, out=tmp_path / "run", device="cpu", compile=True))
@@ -241,6 +243,7 @@ def test_compiled_model_trains_and_evaluates(tmp_path):
     assert results["final"]["count"] == 100
 
 
+@pytest.mark.slow
 def test_rectangular_validation_of_a_compiled_model_compiles_no_evaluation_shapes(tmp_path):
     # Rectangular validation batches come in several shapes; compiled per shape (dynamic=False)
     # each would be a new graph. Evaluation runs them eagerly, so only training compiles.

@@ -51,7 +51,8 @@ def _one_batch_size(recipe: Recipe) -> Recipe:
     b = recipe.phases[0].batch_size
     scale = lambda p: (lambda lr: lr * b / p.batch_size)  # noqa: E731
     return dataclasses.replace(recipe, phases=tuple(
-        dataclasses.replace(p, batch_size=b, lr=tuple(map(scale(p), p.lr)) if isinstance(p.lr, tuple) else scale(p)(p.lr))
+        dataclasses.replace(p, batch_size=b,
+                            lr=tuple(map(scale(p), p.lr)) if isinstance(p.lr, tuple) else scale(p)(p.lr))
         for p in recipe.phases))
 
 
@@ -150,13 +151,15 @@ def prepare(out: Path, plan: Plan) -> None:
     others = sorted(p.name for p in out.iterdir() if p.name not in ours) if out.is_dir() else []
     if others:
         shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
-        raise SpeedrunError(f"--out {out} is not empty and holds no ablation ({shown}); choose a new or empty directory")
+        raise SpeedrunError(f"--out {out} is not empty and holds no ablation ({shown}); "
+                            "choose a new or empty directory")
     try:
         for rel, text in sorted(files.items(), key=lambda f: f[0] == "plan.json"):  # plan.json last: complete
             (out / rel).parent.mkdir(parents=True, exist_ok=True)
             (out / rel).write_text(text)
     except OSError as e:
-        raise SpeedrunError(f"--out {out}: cannot write the ablation there ({e.strerror or e}); choose another --out") from None
+        raise SpeedrunError(f"--out {out}: cannot write the ablation there ({e.strerror or e}); "
+                            "choose another --out") from None
 
 
 def recipe_file(recipe: Recipe) -> str:

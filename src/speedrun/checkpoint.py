@@ -30,13 +30,13 @@ class RunState:
     epoch_step: int = 0  # steps of `epoch` already taken (a run stopped mid-epoch continues there)
     step: int = 0  # optimizer steps taken, all epochs
     startup_s: float = 0.0  # process start -> first step, in the run's first process
-    train_s: float = 0.0  # first step -> now, summed over resumed sessions
+    train_s: float = 0.0  # first step -> now, summed over resumed sessions (track.Clock keeps both up to date)
     best: dict[str, float] = field(default_factory=dict)
     time_to_target_s: float | None = None
     time_to_target_from_first_step_s: float | None = None
     target_epoch: int | None = None  # the epoch (1-based, as printed) whose evaluation reached the target
     world_size: int | None = None  # processes the run trains on; a resume must use as many
-    interruptions: list[dict] = field(default_factory=list)  # what each resume cost (engine.interruption)
+    interruptions: list[dict] = field(default_factory=list)  # what each resume cost (track.interruption)
     # The labels the weights mean, for `speedrun eval` to check other data against. Checkpoints
     # before these fields have neither; `classes` is None for data without class names.
     classes: list[str] | None = None  # class names in label order (an image folder's folders)
@@ -87,7 +87,8 @@ def restore_run(path: Path, learner: Learner, cfg: TrainConfig, world_size: int)
     except SpeedrunError as e:
         raise SpeedrunError(f"--resume: {e}; it cannot be continued: start over in another --out") from None
     if Recipe.from_dict(saved["recipe"]) != cfg.recipe:
-        raise SpeedrunError(f"--resume: {path} was made with a different recipe ({saved['recipe']['name']}); resume with the same one")
+        raise SpeedrunError(f"--resume: {path} was made with a different recipe ({saved['recipe']['name']}); "
+                            "resume with the same one")
     state = RunState(**saved["state"])
     if state.world_size is not None and state.world_size != world_size:
         raise SpeedrunError(
@@ -96,8 +97,10 @@ def restore_run(path: Path, learner: Learner, cfg: TrainConfig, world_size: int)
         )
     for name, now in (("seed", cfg.seed), ("deterministic", cfg.deterministic)):
         if name in saved and saved[name] != now:
-            flag = f"--seed {saved[name]}" if name == "seed" else ("--deterministic" if saved[name] else "no --deterministic")
-            raise SpeedrunError(f"--resume: the run was made with {flag}; resume with the same (this run has {name} {now})")
+            flag = (f"--seed {saved[name]}" if name == "seed"
+                    else ("--deterministic" if saved[name] else "no --deterministic"))
+            raise SpeedrunError(f"--resume: the run was made with {flag}; "
+                                f"resume with the same (this run has {name} {now})")
     state.world_size = world_size  # checkpoints before this field: unknown, taken as this run's
     learner.model.load_state_dict(saved["model"])
     if learner.ema is not None:

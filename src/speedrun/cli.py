@@ -19,7 +19,7 @@ from speedrun.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERNAL, EXIT_INT
 
 def build_parser() -> argparse.ArgumentParser:
     from speedrun import __version__
-    from speedrun import commands, experiment_cli
+    from speedrun import experiment_cli, train_cli
     from speedrun.cluster import cli as cluster_cli
     from speedrun.data import cli as data_cli
 
@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"speedrun {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    commands.register(sub)
+    train_cli.register(sub)
     experiment_cli.register(sub)
     data_cli.register(sub)
     cluster_cli.register(sub)
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = list(sys.argv[1:] if argv is None else argv)  # for commands that re-launch themselves
     try:
         return int(run_command(args, as_program=argv is None) or 0)
-    except SpeedrunError as e:  # exit 2, or the error's own code (cluster.awsapi.AWSFailed: 3, AWS failed)
+    except SpeedrunError as e:  # exit 2, or the error's own code (cluster.aws.api.AWSFailed: 3, AWS failed)
         return report(e, "error", getattr(e, "exit_code", EXIT_BAD_INPUT))
     except TrainingFailed as e:
         return report(e, "training failed", EXIT_FAILED)

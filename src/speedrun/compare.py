@@ -89,7 +89,8 @@ def read_run(path: str | os.PathLike, label: str | None = None, live: bool = Tru
     path = Path(path)
     results_path, metrics_path = path / "results.json", path / "metrics.jsonl"
     if not results_path.is_file():
-        what = "is not a directory" if not path.is_dir() else "holds no results.json (not a run directory, or a run before its first evaluation)"
+        what = ("is not a directory" if not path.is_dir()
+                else "holds no results.json (not a run directory, or a run before its first evaluation)")
         raise SpeedrunError(f"{path} {what}")
     try:
         results = json.loads(results_path.read_text())
@@ -257,7 +258,7 @@ def collect_job(name: str, cache: str | os.PathLike | None = None, config_dir: s
     """The runs under job `name`'s run directory, read from its hosts into `cache` (default
     <speedrun home>/compare/<name>, ~/.speedrun by default) and labelled `<task>:<path in the run
     directory>`. A run that cannot be read is named through `warn` and left out."""
-    from speedrun.cluster.lifecycle import open_job
+    from speedrun.cluster.reopen import open_job
     from speedrun.cluster.registry import speedrun_home
 
     job = open_job(name, config_dir)
@@ -268,7 +269,8 @@ def collect_job(name: str, cache: str | os.PathLike | None = None, config_dir: s
     for task_dir in sorted(cache.glob("task*")):
         for run in find_runs(task_dir):
             try:
-                runs.append(read_run(run, label=f"{task_dir.name.removeprefix('task')}:{run.relative_to(task_dir)}", live=False))
+                runs.append(read_run(run, label=f"{task_dir.name.removeprefix('task')}:{run.relative_to(task_dir)}",
+                                     live=False))
             except SpeedrunError as e:  # one bad run does not hide the others
                 warn(f"left out: {e}")
     return runs

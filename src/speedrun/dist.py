@@ -26,6 +26,7 @@ DEFAULT_TIMEOUT_S = 300
 # RuntimeErrors, from DDP's buffer broadcast, its gradient all-reduce and any collective's wait.
 GLOO_ERROR = re.compile(r"^\[[^\]]*gloo[^\]]*\]\s*")
 PEER_ADDRESS = re.compile(r"\[([0-9A-Fa-f:.]+)\]:\d+")  # the other end of a gloo connection
+PEER_DIED = "probably died"  # in peer_failure's line: the launcher recognises collateral failures by it
 
 
 @dataclass(frozen=True)
@@ -137,7 +138,7 @@ def peer_failure(error: BaseException, ctx: DistContext) -> str:
     (Read error [10.0.0.2]:41234: Connection reset by peer)"."""
     said = GLOO_ERROR.sub("", str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__)
     said = said.split(". This is typically")[0]  # gloo's generic advice
-    return f"a collective failed: {suspects(said, ctx)} probably died ({said})"
+    return f"a collective failed: {suspects(said, ctx)} {PEER_DIED} ({said})"
 
 
 def suspects(said: str, ctx: DistContext) -> str:

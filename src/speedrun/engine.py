@@ -9,33 +9,27 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
-import json
 import math
-import os
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
-import speedrun
-from speedrun import rundir
 from speedrun.checkpoint import CheckpointWriter, RunState, restore_run, save_run, where
 from speedrun.config import TrainConfig
 from speedrun.data import build_source
 from speedrun.data.base import DataSource, TrainStream
-from speedrun.dist import (DistContext, all_reduce_sum, broadcast_object, collective_failed, init_distributed,
-                           peer_failure, pick_device, shutdown)
+from speedrun.dist import (DistContext, all_reduce_sum, collective_failed, init_distributed, peer_failure, pick_device,
+                           shutdown)
 from speedrun.errors import SpeedrunError, TrainingFailed, stop_on_sigterm
 from speedrun.learner import (DeviceBatches, EvalSettings, Learner, build_learner, check_device_options,
                               configure_determinism, evaluate)
 from speedrun.optim import set_lr
 from speedrun.recipe import Phase, Recipe
+from speedrun.rundir import already_complete, claim_run_dir, complete, run_dir_error
 from speedrun.stopping import StopRequests
-from speedrun.track import Tracker, build_results, memory_mb, read_jsonl
-
-PEER_DIED = "probably died"  # in dist.peer_failure's line: the launcher recognises collateral failures by it
+from speedrun.track import (Clock, Tracker, build_results, interruption, memory_mb, read_jsonl, recovery_costs,
+                            run_header)
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
@@ -129,12 +123,11 @@ def run_epochs(
                     writer.check()  # a checkpoint that failed stops the run now, not at the next save
                     if stops.agreed():  # every rank stops after this same step
                         break
-                    if ctx.is_main and cfg.checkpoint_minutes and time.time() - last_save >= 60 * cfg.checkpoint_minutes:
-                        state.train_s = clock.train_s()
-                        save_run(writer, out / "checkpoint.pt", learner, state, cfg)  # mid-epoch, in the background
-                        last_save = time.time()
+                    if (ctx.is_main and cfg.checkpoint_minutes
+                            and time.time() - last_save >= 60 * cfg.checkpoint_minutes):
+                        last_save = save(writer, learner, state, clock, cfg)  # mid-epoch, in the background
                 if stops.code:
-                    status = stop_here(stops, writer, out, learner, state, clock, cfg, ctx, tracker)
+                    status = stop_here(stops, writer, learner, state, clock, cfg, ctx, tracker)
                     break
                 if ctx.device.type == "cuda":
                     torch.cuda.synchronize()
@@ -151,17 +144,15 @@ def run_epochs(
                                             recipe.eval_flip, learner.precision, phase.copy, phase.crop_pct)
                     metrics = evaluate(learner.eval_net(settings.rect), source, settings, batches, ctx)
                     # Evaluation time counts towards time-to-target, as in the 2018 record's clock.
-                    state.train_s = clock.train_s()
+                    clock.record()
                     evals.append(note_evaluation(recipe, phase, epoch, metrics, speed, state, tracker))
                     # results.json so far, so that `speedrun compare` can show a run that is still going.
                     tracker.write_results(build_results(cfg, ctx, source, state, evals, "running", clock.session_start,
                                                         learner.precision))
-                state.train_s = clock.train_s()
                 if ctx.is_main and cfg.checkpoint_every and (
                     state.epoch % cfg.checkpoint_every == 0 or last or state.target_epoch is not None
                 ):
-                    save_run(writer, out / "checkpoint.pt", learner, state, cfg)  # written while the next epoch runs
-                    last_save = time.time()
+                    last_save = save(writer, learner, state, clock, cfg)  # written while the next epoch runs
                 if state.target_epoch is not None:
                     break
             writer.wait()
@@ -183,15 +174,10 @@ def run_epochs(
             # ended the run is the one to report.
             with contextlib.suppress(Exception):
                 writer.wait()
-            state.train_s = clock.train_s()
+            clock.record()
             results = build_results(cfg, ctx, source, state, evals, status, clock.session_start, learner.precision)
             results["last_checkpoint"] = writer.last_written  # complete on disk; None: none
-            # What `speedrun launch --recover` did to keep the run going (speedrun.cluster.recovery),
-            # and what the time lost cost at the machines' price when the watcher knew it.
-            recoveries = out / "recoveries.jsonl"
-            results["recoveries"] = read_jsonl(recoveries) if recoveries.exists() else []
-            prices = [r["price_per_hour"] for r in results["recoveries"] if r.get("price_per_hour") is not None]
-            results["lost_usd"] = results["lost_s"] * prices[-1] / 3600 if prices else None
+            results.update(recovery_costs(out, results["lost_s"]))
             try:
                 tracker.write_results(results)
                 tracker.plot(evals, dataclasses.asdict(recipe.target) if recipe.target else None)
@@ -204,88 +190,31 @@ def run_epochs(
     return results
 
 
-def complete(state: RunState, recipe: Recipe) -> bool:
-    """Whether a checkpoint's run has nothing left to train: it reached its target or ran every epoch."""
-    return state.target_epoch is not None or state.epoch >= recipe.epochs
-
-
-def already_complete(out: Path, state: RunState, ctx: DistContext) -> dict[str, Any]:
-    """`--resume` of a complete run: say so and change nothing (no interruption is recorded: no
-    time was lost). Returns the run's results as results.json holds them."""
-    how = (f"reached its target at epoch {state.target_epoch}" if state.target_epoch is not None
-           else f"ran all {state.epoch} epochs")
-    if ctx.is_main:
-        print(f"{out} is complete (it {how}): nothing to resume; nothing was changed", flush=True)
-    status = "target_reached" if state.target_epoch is not None else "finished"
-    try:
-        results = json.loads((out / "results.json").read_text())
-    except (OSError, ValueError):  # removed, damaged, or on rank 0's host only: the checkpoint says how it ended
-        results = {}
-    return {**results, "status": status}
-
-
-def stop_here(stops: StopRequests, writer: CheckpointWriter, out: Path, learner: Learner, state: RunState,
-              clock: Clock, cfg: TrainConfig, ctx: DistContext, tracker: Tracker) -> str:
+def stop_here(stops: StopRequests, writer: CheckpointWriter, learner: Learner, state: RunState, clock: Clock,
+              cfg: TrainConfig, ctx: DistContext, tracker: Tracker) -> str:
     """Every rank agreed to stop after this step: rank 0 writes the checkpoint of this exact step
     and waits for it; returns the run's status, "stopped"."""
-    state.train_s = clock.train_s()
     if ctx.is_main:
-        save_run(writer, out / "checkpoint.pt", learner, state, cfg)
+        save(writer, learner, state, clock, cfg)
         writer.wait()
         stops.clear()
     notice = f" ({stops.notice})" if stops.notice else ""
     tracker.print(f"stopped {where(state)} on {stops.reason}{notice}; the checkpoint holds this step: "
-                  f"continue with --resume --out {out}")
+                  f"continue with --resume --out {cfg.out}")
     return "stopped"
 
 
-def interruption(out: Path, state: RunState, process_start: float) -> dict:
-    """What resuming from `state` costs: the steps logged after its checkpoint (trained again, at
-    the run's mean seconds per step, evaluations included) and the wall time between the last
-    step logged and this process's start (s)."""
-    steps = out / "steps.jsonl"
-    logged = read_jsonl(steps) if steps.exists() else []
-    last = max((r["step"] for r in logged), default=state.step)
-    per_step = state.train_s / state.step if state.step else 0.0
-    redone = max(last - state.step, 0)
-    between = max(process_start - steps.stat().st_mtime, 0.0) if steps.exists() else 0.0
-    return {"resumed_at_step": state.step, "last_step_logged": last, "steps_redone": redone,
-            "training_s_lost": redone * per_step, "seconds_between_sessions": between,
-            "wall_s_lost": redone * per_step + between}
+def save(writer: CheckpointWriter, learner: Learner, state: RunState, clock: Clock, cfg: TrainConfig) -> float:
+    """The one place a run is saved (rank 0 only): the checkpoint of this step, the clock brought up
+    to it, handed to the writer's thread (`writer.wait()` has it on disk). Returns the time of the
+    save, from which --checkpoint-every minutes count."""
+    clock.record()
+    save_run(writer, cfg.out / "checkpoint.pt", learner, state, cfg)
+    return time.time()
 
 
-def run_header(cfg: TrainConfig, ctx: DistContext, source: DataSource, precision: str) -> str:
-    """The first line a run prints: what trains on what, and the LR factor for this world size."""
-    recipe = cfg.recipe
-    scale = recipe.lr_scale(ctx.world_size)
-    warmup = f" (ramped up over {recipe.scale_warmup_epochs:g} epochs)" if scale > 1 and recipe.scale_warmup_epochs else ""
-    loader = f" ({source.loader} loader)" if source.loader else ""
-    return (
-        f"speedrun {speedrun.__version__}: recipe {recipe.name}, model {recipe.model}, "
-        f"{source.num_train} train / {source.num_val} val images{loader}, "
-        f"{ctx.world_size} x {ctx.device.type}, {precision}, LR x{scale:g}{warmup} for world size "
-        f"{ctx.world_size}, target {recipe.target or 'none'}, out {cfg.out}"
-    )
-
-
-def run_dir_error(e: OSError, out: Path, complete: str | None) -> BaseException:
-    """A write to the run directory failed: the disk is full, it became read-only or it was
-    removed. That is the machine's fault, not speedrun's: one line (SpeedrunError) with what can
-    be continued (`complete`: the last checkpoint on disk). Any other OSError is returned as is."""
-    in_run_dir = e.filename is None or Path(os.fsdecode(e.filename)).absolute().is_relative_to(out.absolute())
-    if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.ENOENT) or not in_run_dir:
-        return e
-    where = f"{e.strerror}: {os.fsdecode(e.filename) if e.filename else 'checkpoint'}"
-    if e.errno == errno.ENOENT:
-        return SpeedrunError(f"the run directory {out} (or part of it) was removed during the run ({where})")
-    return SpeedrunError(
-        f"cannot write to the run directory {out} ({where}); "
-        + (f"the last complete checkpoint is {complete}: free space and continue with --resume"
-           if complete else "no checkpoint was completed: free space and start again")
-    )
-
-
-def note_evaluation(recipe: Recipe, phase: Phase, epoch: int, metrics: dict, speed: dict, state: RunState, tracker: Tracker) -> dict:
+def note_evaluation(recipe: Recipe, phase: Phase, epoch: int, metrics: dict, speed: dict, state: RunState,
+                    tracker: Tracker) -> dict:
     """Log an evaluation, keep the best metrics, and stop the clock at the target. Returns the record."""
     record = {"epoch": epoch + 1, "step": state.step, "size": phase.size, "rect_val": phase.rect_val,
               "crop_pct": phase.crop_pct,
@@ -322,30 +251,6 @@ def reached_target(recipe: Recipe, metrics: dict[str, float]) -> bool:
     return recipe.target is not None and metrics[recipe.target.metric] >= recipe.target.value
 
 
-class Clock:
-    """Wall-clock accounting that survives resumes: startup (process start -> first step, from
-    the run's first session) plus training time (first step -> now, summed over sessions)."""
-
-    def __init__(self, process_start: float, state: RunState):
-        self.process_start = process_start
-        self.session_start = time.time()
-        self.state = state
-        self.train_s_before = state.train_s
-        self.first_step_at: float | None = None
-
-    def first_step(self) -> None:
-        """Call at every step; only the first call of a session starts the clock."""
-        if self.first_step_at is None:
-            self.first_step_at = time.time()
-            if self.state.step == 0:
-                self.state.startup_s = self.first_step_at - self.process_start
-
-    def train_s(self) -> float:
-        if self.first_step_at is None:
-            return self.train_s_before
-        return self.train_s_before + time.time() - self.first_step_at
-
-
 class PhaseStreams:
     """The training stream for each epoch: a new one when the data setting changes, the same
     one re-batched when only the batch size does (no new dataset, no new loader workers)."""
@@ -373,25 +278,3 @@ class PhaseStreams:
         if self.stream is not None:
             self.stream.close()
             self.stream, self.key = None, None
-
-
-def default_run_dir(recipe_name: str) -> Path:
-    """runs/<recipe>-<date>-<time>, in the current directory."""
-    return Path("runs") / f"{recipe_name}-{time.strftime('%Y%m%d-%H%M%S')}"
-
-
-def claim_run_dir(cfg: TrainConfig, ctx: DistContext) -> rundir.RunDir:
-    """The run directory, claimed (checked, locked, cleared of a dead run's leftovers) on rank 0
-    and shared, so that every rank writes to the same place; see speedrun.rundir."""
-    claimed, decision = None, None
-    if ctx.is_main:
-        out = cfg.out or default_run_dir(cfg.recipe.name)
-        try:
-            claimed = rundir.claim(out, cfg.resume)
-            decision = (str(out), None)
-        except SpeedrunError as e:
-            decision = (str(out), str(e))
-    out, problem = broadcast_object(decision, ctx)
-    if problem:
-        raise SpeedrunError(problem)
-    return claimed or rundir.RunDir(Path(out), lock=None)

@@ -8,10 +8,10 @@ import json
 import sys
 from pathlib import Path
 
-from rich.console import Console
-
-from speedrun.commands import absolute_data, print_table, recipe_for
+from speedrun.config import absolute_data
+from speedrun.console import output_console, print_table
 from speedrun.errors import SpeedrunError
+from speedrun.recipes.fitting import recipe_for
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -55,13 +55,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_ablate)
 
 
-def output_console(stderr: bool = False) -> Console:
-    """A console for tables and lines. On a terminal rich fits them to its width; anything else (a
-    file, a pipe) gets them whole: rich would cut every column to 80 characters there."""
-    console = Console(stderr=stderr)
-    return console if console.is_terminal else Console(stderr=stderr, width=1_000_000)
-
-
 def cmd_compare(args: argparse.Namespace) -> int:
     from speedrun.compare import compare
 
@@ -81,7 +74,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     else:
         console = output_console()
         print_table(console, rows)
-        console.print(f"{len(runs)} runs" + (f"; plot: {result.plot}" if result.plot else ""), soft_wrap=True, markup=False)
+        console.print(f"{len(runs)} runs" + (f"; plot: {result.plot}" if result.plot else ""),
+                      soft_wrap=True, markup=False)
     if result.plot_error:
         note(result.plot_error)
     if skipped:
@@ -114,7 +108,9 @@ def read_compare_args(args: list[str], note) -> tuple[list, list[str]]:
                 from speedrun.cluster import registry
 
                 if not registry.exists(arg):
-                    raise SpeedrunError(f"{arg} is neither a directory nor a job this machine knows (see `speedrun ls`; jobs are recorded in $SPEEDRUN_HOME, else ~/.config/speedrun)")
+                    raise SpeedrunError(f"{arg} is neither a directory nor a job this machine knows "
+                                        "(see `speedrun ls`; jobs are recorded in $SPEEDRUN_HOME, "
+                                        "else ~/.config/speedrun)")
                 job_runs = collect_job(arg, warn=note)
                 if not job_runs:
                     raise SpeedrunError(f"job {arg} has no runs yet")
@@ -135,7 +131,8 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     if args.epochs is not None:
         recipe = recipe.with_epochs(args.epochs)
     if args.target is not None:
-        recipe = dataclasses.replace(recipe, target=None if args.target.lower() == "none" else Target.parse(args.target))
+        recipe = dataclasses.replace(recipe,
+                                     target=None if args.target.lower() == "none" else Target.parse(args.target))
     recipe.validate()
     only = None
     if args.only is not None:
@@ -144,7 +141,8 @@ def cmd_ablate(args: argparse.Namespace) -> int:
             raise SpeedrunError(f"--only {args.only!r} names no trick; give one or more of {', '.join(ablate.TRICKS)}")
     tricks = tuple(name for name in ablate.variants(recipe, only) if name != ablate.FULL)
     data = absolute_data(args.data)
-    train_args = [*(["--device", args.device] if args.device else []), *(["--workers", str(args.workers)] if args.workers else [])]
+    train_args = [*(["--device", args.device] if args.device else []),
+                  *(["--workers", str(args.workers)] if args.workers else [])]
     plan = ablate.Plan(recipe, tricks, args.seeds, data, tuple(train_args))
 
     console = output_console()
@@ -153,7 +151,7 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     print_table(console, [{"trick": t, "off means": ablate.TRICKS[t].off} for t in tricks])
     say = lambda line: console.print(line, soft_wrap=True)  # noqa: E731
     if args.job:
-        from speedrun.cluster.lifecycle import open_job
+        from speedrun.cluster.reopen import open_job
         from speedrun.cluster.registry import speedrun_home
 
         job = open_job(args.job)
@@ -174,7 +172,8 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     rows = ablate.table(results)
     print_table(console, rows, title=f"time to {recipe.target or 'the end'}, {args.seeds} seed(s)")
     (out / "ablation.json").write_text(json.dumps({"plan": plan.to_dict(), "rows": rows,
-                                                   "results": [dataclasses.asdict(r) for r in results]}, indent=2) + "\n")
+                                                   "results": [dataclasses.asdict(r) for r in results]},
+                                                  indent=2) + "\n")
     comparison = compare(list(runs.values()), out / "compare.png")
     print_table(console, comparison.rows())
     if comparison.plot_error:

@@ -66,6 +66,7 @@ def apply(root: Path = Path("/proc/sys")) -> list[Setting]:
         try:
             sysctl_path(setting.name, root).write_text(setting.wanted + "\n")
         except OSError as e:
-            raise SpeedrunError(f"cannot set {setting.name} ({e.strerror}); run `speedrun tune-host --apply` as root") from None
+            raise SpeedrunError(f"cannot set {setting.name} ({e.strerror}); "
+                                "run `speedrun tune-host --apply` as root") from None
         changed.append(setting)
     return changed

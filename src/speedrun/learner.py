@@ -110,7 +110,8 @@ def to_device(model: nn.Module, device: torch.device) -> tuple[nn.Module, bool]:
     """`model` on `device`, channels_last when it has convolutions (faster on both CUDA and
     oneDNN: measured 1.3x on the demo ResNet with 2 CPU cores); returns it and whether it is."""
     channels_last = any(isinstance(m, nn.Conv2d) for m in model.modules())
-    return model.to(device, memory_format=torch.channels_last if channels_last else torch.preserve_format), channels_last
+    return (model.to(device, memory_format=torch.channels_last if channels_last else torch.preserve_format),
+            channels_last)
 
 
 def train_step(
@@ -159,7 +160,8 @@ class EvalSettings:
 
 
 @torch.no_grad()
-def evaluate(net: nn.Module, source: DataSource, settings: EvalSettings, batches: DeviceBatches, ctx: DistContext) -> dict[str, float]:
+def evaluate(net: nn.Module, source: DataSource, settings: EvalSettings, batches: DeviceBatches,
+             ctx: DistContext) -> dict[str, float]:
     """Loss, top-1 and top-5 over the whole validation split; each rank evaluates its share and
     the sums are reduced, so every sample counts exactly once whatever the world size. Flips
     cost twice the compute.
@@ -183,8 +185,8 @@ def evaluate(net: nn.Module, source: DataSource, settings: EvalSettings, batches
 def _evaluate(net: nn.Module, source: DataSource, settings: EvalSettings, batches: DeviceBatches,
               ctx: DistContext) -> dict[str, float]:
     sums = torch.zeros(4, dtype=torch.float64, device=ctx.device)  # loss, correct@1, correct@5, count
-    for images, labels in source.val_batches(settings.size, settings.batch_size, settings.rect, ctx.shard, settings.copy,
-                                            settings.crop_pct):
+    for images, labels in source.val_batches(settings.size, settings.batch_size, settings.rect, ctx.shard,
+                                             settings.copy, settings.crop_pct):
         x, y = batches.to_device(images, labels)
         with autocast(ctx.device, settings.precision):
             logits = net(x).float()

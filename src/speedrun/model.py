@@ -24,7 +24,8 @@ class BasicBlock(nn.Module):
         self.norm2 = norm(out_channels)
         self.shortcut = nn.Identity()
         if stride != 1 or in_channels != out_channels:
-            self.shortcut = nn.Sequential(nn.Conv2d(in_channels, out_channels, 1, stride, bias=False), norm(out_channels))
+            self.shortcut = nn.Sequential(nn.Conv2d(in_channels, out_channels, 1, stride, bias=False),
+                                          norm(out_channels))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.relu(self.norm1(self.conv1(x)), inplace=True)
@@ -52,7 +53,8 @@ class SmallResNet(nn.Module):
         norm: type[nn.Module] = nn.BatchNorm2d,
     ):
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(in_chans, widths[0], 3, 1, 1, bias=False), norm(widths[0]), nn.ReLU(inplace=True))
+        self.stem = nn.Sequential(nn.Conv2d(in_chans, widths[0], 3, 1, 1, bias=False), norm(widths[0]),
+                                  nn.ReLU(inplace=True))
         stages = []
         for w_in, w_out in zip(widths[:-1], widths[1:]):
             blocks = [BasicBlock(w_in, w_out, stride=2, norm=norm)]
@@ -72,7 +74,8 @@ OWN_MODELS = {
     # points of Fashion-MNIST top-1 at 10 epochs over three stages (measured, docs/measurements.md).
     "resnet-fmnist": lambda in_chans, num_classes: SmallResNet((16, 32, 64, 128), 1, in_chans, num_classes),
     "resnet-fmnist-tiny": lambda in_chans, num_classes: SmallResNet((8, 16, 32), 1, in_chans, num_classes),
-    "resnet-fmnist-tiny-gn": lambda in_chans, num_classes: SmallResNet((8, 16, 32), 1, in_chans, num_classes, group_norm),
+    "resnet-fmnist-tiny-gn": lambda in_chans, num_classes: SmallResNet((8, 16, 32), 1, in_chans, num_classes,
+                                                                       group_norm),
 }
 
 
@@ -100,7 +103,8 @@ def build_model(name: str, num_classes: int, in_chans: int = 3, zero_init: bool 
         # timm zero-initialises its residual blocks itself (zero_init_last) where a model has them.
         options = {} if zero_init else {"zero_init_last": False}
         try:
-            model = timm.create_model(timm_name, pretrained=False, num_classes=num_classes, in_chans=in_chans, **options)
+            model = timm.create_model(timm_name, pretrained=False, num_classes=num_classes, in_chans=in_chans,
+                                      **options)
         except TypeError:
             raise SpeedrunError(f"timm's {timm_name} has no zero_init_last option: keep zero_init=True") from None
     if zero_init:
@@ -136,7 +140,8 @@ _FIXED_POOLS = {nn.AvgPool2d: nn.AdaptiveAvgPool2d, nn.MaxPool2d: nn.AdaptiveMax
 
 
 @torch.no_grad()
-def make_size_agnostic(model: nn.Module, reference_size: int | tuple[int, int] = 224, in_chans: int | None = None) -> nn.Module:
+def make_size_agnostic(model: nn.Module, reference_size: int | tuple[int, int] = 224,
+                       in_chans: int | None = None) -> nn.Module:
     """Make a CNN accept any input size by replacing the fixed pooling layer that feeds its
     classifier with adaptive pooling to the same output size. Modifies `model` in place and
     returns it.

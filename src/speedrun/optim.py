@@ -38,7 +38,8 @@ def param_groups(model: nn.Module, weight_decay: float, no_decay: str = "norm_bi
     return groups
 
 
-def build_optimizer(model: nn.Module, settings: OptimizerSettings, lr: float, fused: bool = False) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, settings: OptimizerSettings, lr: float,
+                    fused: bool = False) -> torch.optim.Optimizer:
     """SGD with momentum, or LARS (timm's implementation), over `param_groups`. `fused`: SGD's
     update in one kernel per device and dtype rather than torch's default, a few multi-tensor
     kernels per step (LARS has no fused form).

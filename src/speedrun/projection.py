@@ -64,7 +64,8 @@ def read_rates(spec: str) -> Rates:
         except FileNotFoundError:
             raise SpeedrunError(f"--project {spec}: no such file") from None
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise SpeedrunError(f"--project {spec}: not a rates file with an images_per_s table by size ({e})") from None
+            raise SpeedrunError(f"--project {spec}: not a rates file "
+                                f"with an images_per_s table by size ({e})") from None
     try:
         pairs = dict(item.split("=", 1) for item in spec.split(","))
         return _checked({int(k): float(v) for k, v in pairs.items()}, None, spec)
@@ -99,7 +100,8 @@ def project(recipe: Recipe, rates: Rates, gpus: int | None = None, scaling: floa
     keeping `scaling` (0..1] of linear speed-up, over ImageNet-1k's images (or the recipe's
     subset); see the module docstring."""
     if recipe.dataset != "imagefolder":
-        raise SpeedrunError(f"--project times image-folder (ImageNet) schedules; {recipe.name!r} reads {recipe.dataset}")
+        raise SpeedrunError(f"--project times image-folder (ImageNet) schedules; "
+                            f"{recipe.name!r} reads {recipe.dataset}")
     gpus = recipe.world_size if gpus is None else gpus
     if gpus < 1 or not 0 < scaling <= 1:
         raise SpeedrunError(f"--gpus must be 1 or more and --scaling in (0, 1], got {gpus} and {scaling}")

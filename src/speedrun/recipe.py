@@ -232,7 +232,8 @@ class Recipe:
                 out.append(f"{at}: min_scale must be in (0, 1], got {p.min_scale!r}")
             if not (isinstance(p.ratio, tuple) and len(p.ratio) == 2 and all(_finite(r) and r > 0 for r in p.ratio)
                     and p.ratio[0] <= p.ratio[1]):
-                out.append(f"{at}: ratio must be a (low, high) pair of aspect ratios with 0 < low <= high, got {p.ratio!r}")
+                out.append(f"{at}: ratio must be a (low, high) pair of aspect ratios with 0 < low <= high, "
+                           f"got {p.ratio!r}")
             if not (_finite(p.translate) and 0 <= p.translate <= 0.5):
                 out.append(f"{at}: translate must be a fraction of the image side in [0, 0.5], got {p.translate!r}")
             if not (_finite(p.crop_pct) and 0 < p.crop_pct <= 1):

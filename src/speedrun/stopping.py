@@ -33,11 +33,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from speedrun.dist import DistContext
 
-# torch is imported where it is used: the AWS provider reads this module's constants, and
-# `speedrun ls` should not pay for importing torch.
+# torch is imported where it is used: `speedrun train`'s parser reads this module's names, and
+# `speedrun --help` should not pay for importing torch.
 
-NOTICE_ENV = "SPEEDRUN_SPOT_NOTICE_URL"
-IMDS_NOTICE_URL = "http://169.254.169.254/latest/meta-data/spot/instance-action"
 POLL_S = 5.0  # how often the notice URL is asked, seconds (AWS's advice)
 STOP_FILE = "stop"
 

@@ -9,6 +9,9 @@ Run directory layout (`--out DIR`):
     checkpoint.pt              the latest checkpoint (atomic; see speedrun.checkpoint)
     results.json               the summary: recipe, versions, device, times, best metrics (build_results)
     accuracy.png               accuracy against wall time and against epoch
+
+The times in results.json come from the run's Clock; what a resume cost (interruption) and what
+`speedrun launch --recover` cost (recovery_costs) are worked out here too.
 """
 from __future__ import annotations
 
@@ -42,7 +45,8 @@ class Tracker:
     """Logs to TensorBoard, JSONL files, the console and a progress bar. With `enabled=False`
     (ranks other than 0) every method does nothing."""
 
-    def __init__(self, run_dir: Path, enabled: bool = True, console: Console | None = None, resume_step: int | None = None):
+    def __init__(self, run_dir: Path, enabled: bool = True, console: Console | None = None,
+                 resume_step: int | None = None):
         self.run_dir = Path(run_dir)
         self.enabled = enabled
         self.console = console or Console(highlight=False)
@@ -58,7 +62,8 @@ class Tracker:
                 _truncate_jsonl(self.run_dir / "steps.jsonl", lambda r: r["step"] <= resume_step)
                 _truncate_jsonl(self.run_dir / "metrics.jsonl", lambda r: r["step"] <= resume_step)
             # purge_step hides TensorBoard events past the checkpoint for the same reason.
-            self._tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=resume_step + 1 if resume_step is not None else None)
+            self._tb = SummaryWriter(str(self.run_dir / "tb"),
+                                     purge_step=resume_step + 1 if resume_step is not None else None)
 
     # -- console ---------------------------------------------------------------------------
     def print(self, message: str) -> None:
@@ -199,7 +204,8 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
         except ValueError:
             if number == len(lines):  # no newline after it: the write was cut short
                 continue
-            raise SpeedrunError(f"{path}, line {number}: not a JSON record ({line[:60]!r}); fix or remove the line") from None
+            raise SpeedrunError(f"{path}, line {number}: not a JSON record ({line[:60]!r}); "
+                                "fix or remove the line") from None
     return records
 
 
@@ -211,7 +217,8 @@ def build_results(
     recipe = cfg.recipe
     final = evals[-1] if evals else None
     return {
-        "status": status,  # running (written after each evaluation), target_reached, finished, stopped, interrupted or failed
+        # running (written after each evaluation), target_reached, finished, stopped, interrupted or failed
+        "status": status,
         "recipe": recipe.to_dict(),
         "target": dataclasses.asdict(recipe.target) if recipe.target else None,
         "reached_target": state.time_to_target_s is not None,
@@ -239,6 +246,73 @@ def build_results(
         "versions": {"speedrun": speedrun.__version__, "torch": torch.__version__, "python": platform.python_version()},
         "session_s": time.time() - session_start,
     }
+
+
+def recovery_costs(out: Path, lost_s: float) -> dict[str, Any]:
+    """The final results' `recoveries` and `lost_usd`: what `speedrun launch --recover` did to
+    keep the run going (speedrun.cluster.recovery), and what the time lost (`lost_s`) cost at
+    the machines' price when the watcher knew it."""
+    recoveries = out / "recoveries.jsonl"
+    done = read_jsonl(recoveries) if recoveries.exists() else []
+    prices = [r["price_per_hour"] for r in done if r.get("price_per_hour") is not None]
+    return {"recoveries": done, "lost_usd": lost_s * prices[-1] / 3600 if prices else None}
+
+
+def interruption(out: Path, state: RunState, process_start: float) -> dict:
+    """What resuming from `state` costs: the steps logged after its checkpoint (trained again, at
+    the run's mean seconds per step, evaluations included) and the wall time between the last
+    step logged and this process's start (s)."""
+    steps = out / "steps.jsonl"
+    logged = read_jsonl(steps) if steps.exists() else []
+    last = max((r["step"] for r in logged), default=state.step)
+    per_step = state.train_s / state.step if state.step else 0.0
+    redone = max(last - state.step, 0)
+    between = max(process_start - steps.stat().st_mtime, 0.0) if steps.exists() else 0.0
+    return {"resumed_at_step": state.step, "last_step_logged": last, "steps_redone": redone,
+            "training_s_lost": redone * per_step, "seconds_between_sessions": between,
+            "wall_s_lost": redone * per_step + between}
+
+
+def run_header(cfg: TrainConfig, ctx: DistContext, source: DataSource, precision: str) -> str:
+    """The first line a run prints: what trains on what, and the LR factor for this world size."""
+    recipe = cfg.recipe
+    scale = recipe.lr_scale(ctx.world_size)
+    warmup = (f" (ramped up over {recipe.scale_warmup_epochs:g} epochs)"
+              if scale > 1 and recipe.scale_warmup_epochs else "")
+    loader = f" ({source.loader} loader)" if source.loader else ""
+    return (
+        f"speedrun {speedrun.__version__}: recipe {recipe.name}, model {recipe.model}, "
+        f"{source.num_train} train / {source.num_val} val images{loader}, "
+        f"{ctx.world_size} x {ctx.device.type}, {precision}, LR x{scale:g}{warmup} for world size "
+        f"{ctx.world_size}, target {recipe.target or 'none'}, out {cfg.out}"
+    )
+
+
+class Clock:
+    """Wall-clock accounting that survives resumes: startup (process start -> first step, from
+    the run's first session) plus training time (first step -> now, summed over sessions). The
+    one writer of `state.startup_s` and `state.train_s` while the run goes on."""
+
+    def __init__(self, process_start: float, state: RunState):
+        self.process_start = process_start
+        self.session_start = time.time()
+        self.state = state
+        self.train_s_before = state.train_s
+        self.first_step_at: float | None = None
+
+    def first_step(self) -> None:
+        """Call at every step; only the first call of a session starts the clock."""
+        if self.first_step_at is None:
+            self.first_step_at = time.time()
+            if self.state.step == 0:
+                self.state.startup_s = self.first_step_at - self.process_start
+
+    def record(self) -> None:
+        """Bring `state.train_s` up to now: before the state is logged, saved or put in the results."""
+        if self.first_step_at is None:
+            self.state.train_s = self.train_s_before
+        else:
+            self.state.train_s = self.train_s_before + time.time() - self.first_step_at
 
 
 def device_name(device: torch.device) -> str:

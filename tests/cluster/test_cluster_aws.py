@@ -24,7 +24,7 @@ from speedrun.errors import SpeedrunError
 
 from test_cluster_e2e import ONE_THREAD, TRAIN, check_trained
 
-pytestmark = pytest.mark.netns
+pytestmark = [pytest.mark.netns, pytest.mark.aws]
 
 IMAGE = "ubuntu/images/hvm-ssd/ubuntu-*"  # one of moto's images
 
@@ -53,7 +53,8 @@ def live(instances: list[dict]) -> list[dict]:
 @pytest.mark.slow
 def test_two_instances_train_end_to_end_and_go_down(aws, efs_mount, job_name):
     job = make_job(job_name, 2, **options(aws, shared_storage=True, efs_mount=efs_mount))
-    instances = sorted(live(job_instances(aws, job_name)), key=lambda i: int(aws_provider.tag_value(i, "speedrun:task")))
+    instances = sorted(live(job_instances(aws, job_name)),
+                       key=lambda i: int(aws_provider.tag_value(i, "speedrun:task")))
     # Two instances launched into the job's placement group, reached at the addresses moto gave them.
     assert len(instances) == 2 and [t.ip for t in job] == [i["PrivateIpAddress"] for i in instances]
     assert [aws.placement_of[i["InstanceId"]] for i in instances] == [f"speedrun-{job_name}"] * 2
@@ -139,7 +140,8 @@ def test_no_capacity_anywhere_names_the_zones_tried(aws, job_name):
 
 def test_spot_without_capacity_is_an_error_unless_on_demand_is_allowed(aws, job_name):
     aws.fail("RunInstances", "InsufficientInstanceCapacity", market="spot")
-    with pytest.raises(SpeedrunError, match=r"no spot capacity for 1 x c5.large .*tried us-east-1.\).*on_demand_fallback"):
+    with pytest.raises(SpeedrunError,
+                       match=r"no spot capacity for 1 x c5.large .*tried us-east-1.\).*on_demand_fallback"):
         make_job(job_name, 1, **options(aws, spot=True))
     assert live(job_instances(aws, job_name)) == []
     job = make_job(job_name, 1, **options(aws, spot=True, on_demand_fallback=True))
@@ -283,7 +285,8 @@ def test_launch_ls_logs_kill_down_from_the_command_line(aws, job_name, tmp_path,
                  "{run_dir}"]) == 0
     run_dir = capsys.readouterr().out.split("run dir ", 1)[1].split(":", 1)[0]
     assert sorted(p.name for p in Path(run_dir).glob("rank*.json")) == ["rank0.json", "rank1.json"]
-    instances = sorted(live(job_instances(aws, job_name)), key=lambda i: int(aws_provider.tag_value(i, "speedrun:task")))
+    instances = sorted(live(job_instances(aws, job_name)),
+                       key=lambda i: int(aws_provider.tag_value(i, "speedrun:task")))
 
     assert main(["ls", job_name]) == 0
     out = capsys.readouterr().out.splitlines()
@@ -341,12 +344,13 @@ def test_a_replacement_stays_in_the_jobs_zone_and_goes_to_another_when_it_has_no
     assert moved["Placement"]["AvailabilityZone"] == other and moved["InstanceId"] not in aws.placement_of
     assert aws.placement_of[task_instance(aws, job_name, 0)["InstanceId"]] == group  # task 0 stays in it
     assert host.spec.host == moved["PrivateIpAddress"] and host.shell("echo there").text == "there\n"
-    assert f"outside placement group {group}" in caplog.text and f"launched 1 on-demand c5.large instance(s) in {other}" \
-        in caplog.text
+    assert (f"outside placement group {group}" in caplog.text
+            and f"launched 1 on-demand c5.large instance(s) in {other}" in caplog.text)
     efs = aws.client("efs")
     (fs,) = efs.describe_file_systems()["FileSystems"]
     subnets = {n["SubnetId"]: n["AvailabilityZone"] for n in aws.client().describe_subnets()["Subnets"]}
-    targets = [subnets.get(t["SubnetId"]) for t in efs.describe_mount_targets(FileSystemId=fs["FileSystemId"])["MountTargets"]]
+    targets = [subnets.get(t["SubnetId"])
+               for t in efs.describe_mount_targets(FileSystemId=fs["FileSystemId"])["MountTargets"]]
     assert sorted(targets) == [home, other]
 
     # The job spans two zones now; found again by name, nothing is launched.
@@ -377,7 +381,8 @@ def test_an_instance_terminated_mid_run_is_replaced_in_another_zone_and_the_run_
         assert not thread.is_alive() and "error" not in outcome, outcome
         assert [s.state for s in outcome["states"]] == ["succeeded", "succeeded"]
         new = task_instance(aws, job_name, 1)
-        assert new["InstanceId"] != old["InstanceId"] and job[1].ip == new["PrivateIpAddress"] != old["PrivateIpAddress"]
+        assert (new["InstanceId"] != old["InstanceId"]
+                and job[1].ip == new["PrivateIpAddress"] != old["PrivateIpAddress"])
         # Trained on across the two zones' subnets.
         assert (old["Placement"]["AvailabilityZone"], new["Placement"]["AvailabilityZone"]) == (home, other)
         (event,) = read_jsonl(Path(job.run_dir) / "recoveries.jsonl")

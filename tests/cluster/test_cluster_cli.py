@@ -9,6 +9,7 @@ from cli_run import speedrun, wait_for
 from speedrun.cli import main
 
 
+@pytest.mark.slow
 def test_ls_logs_and_kill_a_local_job(local_job, capsys):
     job = local_job(num_tasks=2)
     for t in job:
@@ -39,6 +40,7 @@ def error_line(capsys) -> str:
     return err
 
 
+@pytest.mark.slow
 def test_a_refused_host_is_one_line_and_exit_status_2(netns, shared_dir, capsys):
     # options after the job name, before `--`, are understood too
     code = main(["launch", "refused-cli", "--hosts", f"root@{netns.hosts[1].address}:2222",
@@ -48,6 +50,7 @@ def test_a_refused_host_is_one_line_and_exit_status_2(netns, shared_dir, capsys)
     assert "connection refused" in error_line(capsys)
 
 
+@pytest.mark.slow
 def test_an_unknown_host_key_is_one_line_and_exit_status_2(netns, shared_dir, tmp_path, capsys):
     code = main(["launch", "unknown-key-cli", "--hosts", netns.specs[0], "--identity", str(netns.client_key),
                  "--known-hosts", str(tmp_path / "empty"), "--run-root", str(shared_dir), "--", "train.py"])
@@ -90,6 +93,7 @@ def test_a_watcher_host_that_cannot_work_is_one_line_before_anything_starts(flag
     assert "s3cr3t" not in err  # a value given for the controller is never printed
 
 
+@pytest.mark.slow
 def test_ls_reads_a_failed_log_with_carriage_returns_as_log_lines(local_job):
     # A progress bar redraws with '\r': what follows one is still the log's, never a field of
     # the status (`now=` here, which ls reads as a number).
@@ -104,6 +108,7 @@ def test_ls_reads_a_failed_log_with_carriage_returns_as_log_lines(local_job):
 @pytest.mark.parametrize("text", ["[]", "{}", "not json", '{"name": "other-name", "num_tasks": 1}',
                                   '{"name": "damaged", "num_tasks": 1, "provider": {"kind": "ssh"}, '
                                   '"run_dir": "/x", "cwd": null}'])
+@pytest.mark.slow
 def test_a_damaged_job_record_is_skipped_by_ls_and_one_line_elsewhere(local_job, private_speedrun, text, capsys):
     job = local_job()
     job[0].run("echo hello", name="train")
@@ -127,6 +132,7 @@ def test_a_damaged_job_record_is_skipped_by_ls_and_one_line_elsewhere(local_job,
     (["--nproc-per-node", "0"], "--nproc-per-node must be at least 1, got 0"),
     (["--window", "no spaces"], "bad --window 'no spaces'"),
 ])
+@pytest.mark.slow
 def test_launch_refuses_bad_arguments_before_making_anything(flags, message, job_name, tmp_path, capsys):
     from speedrun.cluster import registry
     run_root = tmp_path / "runs"

@@ -5,8 +5,12 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 from cli_run import speedrun
 from speedrun.cluster.registry import speedrun_home
+
+pytestmark = pytest.mark.slow  # real runs on a local job
+
 
 def test_ablate_on_a_job_then_compare_the_job(local_job, tmp_path):
     WIDE = {**os.environ, "COLUMNS": "250"}  # after the fixtures set the private tmux and speedrun home

@@ -122,14 +122,16 @@ def test_launch_wait_stops_the_others_when_a_task_fails(netns, shared_dir, job_n
         r = speedrun("launch", job_name, *ssh, "--join-timeout", "900", "--wait", "--", *TRAIN, "--out", "{run_dir}",
                      timeout=300)
     assert r.returncode == 3, r.stderr
-    (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith(f"speedrun: job {job_name}: ") and "stopped by" in ln]
+    (line,) = [ln for ln in r.stderr.splitlines()
+               if ln.startswith(f"speedrun: job {job_name}: ") and "stopped by" in ln]
     assert "task 1 failed (exit 1): " in line and "torch is broken on this host" in line
     assert line.endswith("; task 0 stopped by speedrun")
 
 
 def test_a_bad_join_timeout_is_one_line(capsys):
     assert main(["launch", "bad-join", "--join-timeout", "0", "--", "x.py"]) == 2
-    assert capsys.readouterr().err.strip() == "speedrun: error: --join-timeout must be a number of seconds above 0, got 0"
+    assert capsys.readouterr().err.strip() == (
+        "speedrun: error: --join-timeout must be a number of seconds above 0, got 0")
 
 
 @pytest.mark.parametrize("waiting", ["--wait", "--follow"])
@@ -161,7 +163,8 @@ def test_launch_wait_stops_the_job_when_a_host_is_cut_off(netns, shared_dir, job
     assert "c10d" not in reason and "recipe tiny" not in reason
 
 
-C10D_NOISE = "[W1201 16:10:45.365592007 socket.cpp:207] [c10d] The hostname of the client socket cannot be retrieved. err=-3"
+C10D_NOISE = ("[W1201 16:10:45.365592007 socket.cpp:207] [c10d] "
+              "The hostname of the client socket cannot be retrieved. err=-3")
 HEADER = "speedrun 0.1.0: recipe tiny, model resnet-fmnist-tiny, 6000 train / 1000 val images, 2 x cpu, fp32"
 
 
@@ -175,5 +178,6 @@ def test_ls_quotes_the_reason_a_task_ended_not_noise(local_job, job_name, capsys
     assert main(["kill", job_name]) == 0
     capsys.readouterr()
     first, second = ls_reason(job_name, capsys).split("; ")
-    assert first.startswith(f"{job_name}: task 0 failed (exit 1): ") and first.endswith("nosuchprogram: command not found")
+    assert (first.startswith(f"{job_name}: task 0 failed (exit 1): ")
+            and first.endswith("nosuchprogram: command not found"))
     assert second == "task 1 killed"

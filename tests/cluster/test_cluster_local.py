@@ -14,6 +14,8 @@ from speedrun.cluster import CommandFailed, SSHOptions, make_job
 from cli_run import wait_for
 from speedrun.errors import SpeedrunError
 
+pytestmark = pytest.mark.slow  # real tmux sessions and processes
+
 
 def running(pid: int) -> bool:
     """Whether the process runs (an exited one waiting to be reaped does not)."""

@@ -130,7 +130,8 @@ def test_sync_to_every_host(ssh_job, tmp_path):
 def test_a_host_refusing_connections_is_a_clear_error(netns, shared_dir):
     with pytest.raises(SpeedrunError) as e:
         make_job("refused", 1, provider="ssh", hosts=[f"root@{netns.hosts[0].address}:2222"],
-                 ssh=SSHOptions(known_hosts=netns.known_hosts, identity_file=netns.client_key), run_root=str(shared_dir))
+                 ssh=SSHOptions(known_hosts=netns.known_hosts, identity_file=netns.client_key),
+                 run_root=str(shared_dir))
     msg = str(e.value)
     assert "connection refused" in msg and f"{netns.hosts[0].address}:2222" in msg and "\n" not in msg
 

@@ -17,7 +17,7 @@ from speedrun.track import read_jsonl
 from test_cluster_aws import IMAGE, task_instance, two_zones
 from test_cluster_e2e import TRAIN
 
-pytestmark = [pytest.mark.netns, pytest.mark.slow]
+pytestmark = [pytest.mark.netns, pytest.mark.aws, pytest.mark.slow]
 EPOCHS = 8  # as in test_cluster_aws's mid-run termination: the loss comes after the first checkpoint
 
 

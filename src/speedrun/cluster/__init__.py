@@ -7,18 +7,22 @@
     job.wait()
 
 Modules, from the bottom up: hosts (Host, LocalHost) and ssh (SSHHost) run scripts and move files;
-tmux writes the scripts that run commands in tmux windows; task (Task, Command) and job (Job,
-make_job, open_job) build on them; provider says what a provider is, providers lists them (local,
-ssh, and aws: EC2 instances speedrun starts itself); registry keeps job records; tensorboard
-serves a run's events; recovery keeps a job going when it loses machines; cli is `speedrun launch
-| ls | attach | logs | kill | down | tb`. Tests and benchmarks make hosts out of network
+tmux writes the scripts that run commands in tmux windows; task (Task, Command), utils (parallel)
+and job (Job) build on them; probe looks at a task's host, lifecycle makes a job (make_job),
+reopen finds it again (open_job); provider says what a provider is, providers lists them (local,
+ssh, and the aws package: EC2 instances speedrun starts itself); registry keeps job records;
+tensorboard serves a run's events; recovery keeps a job going when it loses machines, controller
+runs that watcher on another host and watcher stops it; cli (with aws/cli.py) is `speedrun launch |
+ls | attach | logs | kill | down | tb`. The wing imports nothing of the trainer's: only
+speedrun.errors, speedrun.files and speedrun.spot. Tests and benchmarks make hosts out of network
 namespaces (tests/netns.py) and emulate AWS with moto (tests/aws_server.py).
 """
 from speedrun.cluster.hosts import Host, LocalHost
 from speedrun.cluster.job import Job, TaskStatus
-from speedrun.cluster.lifecycle import make_job, open_job
+from speedrun.cluster.lifecycle import make_job
 from speedrun.cluster.provider import Billing, Provider
 from speedrun.cluster.providers import LocalProvider, SSHProvider
+from speedrun.cluster.reopen import open_job
 from speedrun.cluster.ssh import SSHHost, SSHOptions
 from speedrun.cluster.task import Command, CommandFailed, Result, Task
 

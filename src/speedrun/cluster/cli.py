@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from speedrun.cluster.aws.cli import AWS_OPTIONS, DOWN_REFUSED, add_aws_options, down_all, is_aws_secret
 from speedrun.errors import EXIT_BAD_INPUT, EXIT_FAILED, SpeedrunError, stop_on_sigterm
 
 if TYPE_CHECKING:  # annotations only: the commands import the cluster modules when they run
@@ -91,13 +92,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_tb)
 
 
-# AWSConfig's fields that launch takes as options (default None: AWSConfig's own default).
-AWS_OPTIONS = ("instance_type", "image", "spot", "on_demand_fallback", "placement_group", "shared_storage", "region",
-               "zone", "disk_gb", "ssh_user", "ssh_cidr", "ssh_cidr_allow_wide", "private_ips", "vpc_cidr",
-               "data_snapshot", "data_s3",
-               "data_mount", "instance_profile", "autostop")
-
-
 def add_launch_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--provider", choices=["local", "ssh", "aws"], default=None,
                    help="where tasks run (default: ssh when --hosts is given, else local)")
@@ -118,7 +112,8 @@ def add_launch_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recover", action="store_true",
                    help="watch the job until it ends (as --wait) and keep it going: replace lost hosts (ssh: the "
                         "spare hosts listed beyond the tasks; aws: new instances) and resume from the checkpoint")
-    p.add_argument("--max-restarts", type=int, default=3, help="with --recover: at most this many recoveries (default 3)")
+    p.add_argument("--max-restarts", type=int, default=3,
+                   help="with --recover: at most this many recoveries (default 3)")
     p.add_argument("--join-timeout", type=float, metavar="SECONDS",
                    help="how long each torchrun waits for all tasks to join before failing (default 120)")
     p.add_argument("--watcher-host", metavar="USER@HOST[:PORT]",
@@ -135,32 +130,7 @@ def add_launch_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ssh-config", type=Path, help="ssh config file instead of ~/.ssh/config")
     g.add_argument("--accept-new-host-keys", action="store_true",
                    help="trust and pin the key of a host seen for the first time (host keys are checked strictly)")
-    g = p.add_argument_group("aws (instances speedrun starts; see docs/aws.md)")
-    g.add_argument("--instance-type", help="EC2 instance type (default p5.48xlarge)")
-    g.add_argument("--image", help="AMI id, or a name pattern with * (default: the Deep Learning AMI, PyTorch, Ubuntu)")
-    g.add_argument("--spot", action="store_true", default=None, help="spot instances instead of on-demand")
-    g.add_argument("--on-demand-fallback", action="store_true", default=None,
-                   help="with --spot: use on-demand when no zone has spot capacity")
-    g.add_argument("--no-placement-group", dest="placement_group", action="store_false", default=None,
-                   help="do not launch into a cluster placement group")
-    g.add_argument("--no-shared-storage", dest="shared_storage", action="store_false", default=None,
-                   help="no EFS file system (run directories then stay on each host)")
-    g.add_argument("--region", help="AWS region (default: the AWS configuration's, else us-east-1)")
-    g.add_argument("--zone", help="launch in this zone only (default: the region's zones in turn)")
-    g.add_argument("--disk-gb", type=int, help="root volume size, GiB (default 500)")
-    g.add_argument("--ssh-user", help="the image's login user (default ubuntu)")
-    g.add_argument("--ssh-cidr", help="addresses allowed to SSH in (default: this machine's public address); at "
-                                      "most a /16 (IPv6: a /48), never /0")
-    g.add_argument("--ssh-cidr-allow-wide", action="store_true", default=None,
-                   help="admit an --ssh-cidr wider than /16 (IPv6: /48) to SSH: a large part of the internet")
-    g.add_argument("--private-ips", action="store_true", default=None,
-                   help="reach hosts at their private addresses (launching from inside the VPC)")
-    g.add_argument("--vpc-cidr", help="address range of the VPC speedrun makes (default 10.210.0.0/16)")
-    g.add_argument("--data-snapshot", help="EBS snapshot id: a volume made from it is mounted read-only on each host")
-    g.add_argument("--data-s3", help="s3:// prefix synced to the data mount on each host")
-    g.add_argument("--data-mount", help="where the data lands on each host (default /mnt/data)")
-    g.add_argument("--instance-profile", help="IAM instance profile for the instances (e.g. to read --data-s3)")
-    g.add_argument("--autostop", type=float, help="stop a host after this many idle minutes (spot: terminate)")
+    add_aws_options(p)
 
 
 def show_progress() -> None:
@@ -269,21 +239,6 @@ def cmd_launch(args: argparse.Namespace) -> int:
     return EXIT_FAILED if failed else 0
 
 
-# What --watcher-env refuses: AWS credentials themselves (a controller uses its own, never copies).
-AWS_SECRETS = {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN",
-               "AWS_CONTAINER_AUTHORIZATION_TOKEN"}
-
-
-def is_aws_secret(key: str) -> bool:
-    """Whether --watcher-env must refuse `key`: an AWS credential, or any AWS_ token, secret or
-    password (AWS_BEARER_TOKEN_<SERVICE>...). A path to a file on the controller holding one
-    (AWS_WEB_IDENTITY_TOKEN_FILE...) is no secret."""
-    if key in AWS_SECRETS:
-        return True
-    return key.startswith("AWS_") and not key.endswith("_FILE") and \
-        any(word in key for word in ("SECRET", "TOKEN", "PASSWORD"))
-
-
 def parse_env(items: list[str], option: str, *, show: bool = True) -> dict[str, str]:
     """KEY=VALUE items of `option` as a dict; SpeedrunError for one not of that form (quoting it
     unless `show` is False: values that may be secret are never printed)."""
@@ -332,7 +287,7 @@ def format_uptime(seconds: float | None) -> str:
 def cmd_ls(args: argparse.Namespace) -> int:
     from speedrun.cluster import registry
     from speedrun.cluster.job import summary
-    from speedrun.cluster.lifecycle import open_job
+    from speedrun.cluster.reopen import open_job
 
     # A damaged record hides nothing but itself: one line each, and the other jobs are listed.
     records, skipped = ([registry.load(args.name)], []) if args.name else registry.read_all()
@@ -380,7 +335,7 @@ def print_rows(rows: list[tuple[str, ...]]) -> None:
 
 
 def cmd_attach(args: argparse.Namespace) -> int:
-    from speedrun.cluster.lifecycle import open_job
+    from speedrun.cluster.reopen import open_job
 
     job = open_job(args.name)
     if not 0 <= args.task < len(job):
@@ -390,7 +345,7 @@ def cmd_attach(args: argparse.Namespace) -> int:
 
 def cmd_logs(args: argparse.Namespace) -> int:
     from speedrun.cluster import registry
-    from speedrun.cluster.lifecycle import open_job
+    from speedrun.cluster.reopen import open_job
 
     job = open_job(args.name)
     if args.task is not None and not 0 <= args.task < len(job):
@@ -404,7 +359,8 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 def cmd_kill(args: argparse.Namespace) -> int:
     from speedrun.cluster import registry
-    from speedrun.cluster.lifecycle import open_job, stop_watcher
+    from speedrun.cluster.reopen import open_job
+    from speedrun.cluster.watcher import stop_watcher
 
     # The watcher first: it would take the killed job for a failed one and start it again. The job
     # is opened after it, so that the hosts it moved tasks to until then are the ones killed.
@@ -436,7 +392,8 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
 def cmd_down(args: argparse.Namespace) -> int:
     from speedrun.cluster import registry
-    from speedrun.cluster.lifecycle import open_job, stop_watcher
+    from speedrun.cluster.reopen import open_job
+    from speedrun.cluster.watcher import stop_watcher
 
     show_progress()
     if args.all:
@@ -461,56 +418,8 @@ def cmd_down(args: argparse.Namespace) -> int:
     return 0
 
 
-# Why `down` removes nothing when a watcher could not be stopped.
-DOWN_REFUSED = "or that watcher would start the job again where speedrun no longer looks"
-
-
-def down_all(region: str | None, yes: bool) -> int:
-    """Terminate and delete everything speedrun made in AWS, in the regions of recorded AWS jobs
-    and `region` (or the AWS configuration's), after confirmation. The recorded jobs' watchers on
-    controller hosts are stopped first; if one cannot be, nothing is removed (exit status 2)."""
-    from speedrun.cluster import aws, registry
-    from speedrun.cluster.lifecycle import stop_watcher
-
-    records = [r for r in registry.load_all() if r.provider.get("kind") == "aws"]
-    regions = {r.provider["config"]["region"] for r in records} | {aws.Session(region).region}
-    found = [aws.find_everything(r) for r in sorted(regions)]
-    lines = [line for f in found for line in f.describe()]
-    if lines:
-        print("this terminates and deletes, for good:")
-        for line in lines:
-            print(f"  {line}")
-        if not yes:
-            try:
-                answer = input("type yes to go on: ")
-            except EOFError:
-                answer = ""
-            if answer.strip() != "yes":
-                print("nothing was removed")
-                return EXIT_FAILED
-    # Every watcher before anything goes: one left running would see its tasks lost and start
-    # instances that no record tracks.
-    left = []
-    for r in records:
-        stopped = stop_watcher(r, forget=True)
-        if stopped is not None and not stopped.ok:
-            left.append(stopped.refusal(r.name, f"nothing in AWS was removed, {DOWN_REFUSED}"))
-        elif stopped is not None:
-            print(f"speedrun: job {r.name}: {stopped.line}", file=sys.stderr)
-    if left:
-        for line in left:
-            print(f"speedrun: error: {line}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    for f in found:
-        aws.remove_everything(f)
-    for r in records:
-        registry.forget(r.name)
-    print(f"speedrun has nothing left in AWS ({', '.join(sorted(regions))})")
-    return 0
-
-
 def cmd_tb(args: argparse.Namespace) -> int:
-    from speedrun.cluster.lifecycle import open_job
+    from speedrun.cluster.reopen import open_job
 
     job = open_job(args.name)
     # Ended by kill or a closed terminal as by Ctrl-C: TensorBoard on task 0 is stopped too.

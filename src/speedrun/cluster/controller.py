@@ -23,8 +23,8 @@ AWS_SHARED_CREDENTIALS_FILE; they are neither recorded nor logged. The watcher's
 directory's, as everywhere: started again, it counts the recoveries already made.
 
 When the watcher replaces a host, the record it changes is the controller's; `open_job` here
-takes the provider's part of it from there (lifecycle.refreshed), so `speedrun ls | logs | kill` find the
-job where it now runs, and the host keys the controller pinned for the job's hosts (lifecycle.adopt_host_keys:
+takes the provider's part of it from there (reopen.refreshed), so `speedrun ls | logs | kill` find the
+job where it now runs, and the host keys the controller pinned for the job's hosts (reopen.adopt_host_keys:
 a replacement's key is learned there, on first contact). `speedrun kill` and `speedrun down` stop
 the watcher first.
 """
@@ -38,15 +38,19 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import speedrun
 from speedrun.cluster import registry
-from speedrun.cluster.job import REACH_TIMEOUT_S, HostSetup, Job, Launch, TaskStatus
-from speedrun.cluster.lifecycle import make_job, open_job
+from speedrun.cluster.job import HostSetup, Job, Launch, TaskStatus
+from speedrun.cluster.lifecycle import make_job
 from speedrun.cluster.recovery import watch
+from speedrun.cluster.reopen import open_job
 from speedrun.cluster.ssh import SSHOptions
+from speedrun.cluster.utils import REACH_TIMEOUT_S
 from speedrun.errors import SpeedrunError
 
 log = logging.getLogger("speedrun.cluster")
+# speedrun's package directory, copied whole to the controller (found from here: the cluster wing
+# imports nothing of the trainer's, not even the package's face).
+PACKAGE_DIR = Path(__file__).parent.parent
 WINDOW = "watch"  # the watcher's window on the controller
 WATCHERS = ".speedrun/watchers"  # under the controller's home: one directory per watched job
 CHECK_TIMEOUT_S = 120.0  # seconds for `speedrun watch --check` there: Python, boto3 and an AWS call or two
@@ -99,7 +103,7 @@ def start_watcher(job: Job, host: str, ssh: SSHOptions | None, *, max_restarts: 
         for p in [staged, *staged.rglob("*")]:
             p.chmod(0o700 if p.is_dir() else 0o600)  # rsync and tar keep the modes there
         task.host.put(staged, home, mirror=True)
-    task.host.put(Path(speedrun.__file__).parent, f"{base}/src/speedrun", exclude=("__pycache__",), mirror=True)
+    task.host.put(PACKAGE_DIR, f"{base}/src/speedrun", exclude=("__pycache__",), mirror=True)
     hs = job.host_setup
     if hs.sync is not None:
         task.host.put(hs.sync, f"{base}/code", exclude=hs.sync_exclude, mirror=True)
@@ -114,7 +118,7 @@ def start_watcher(job: Job, host: str, ssh: SSHOptions | None, *, max_restarts: 
     log.info("job %s: its watcher runs on %s (speedrun logs %s)", job.name, task.host.name, watcher.name)
     job_record = registry.load(job.name)
     paths = sorted(k for k in record if record[k] != original.get(k))
-    # The controller's known_hosts (relative to its home) and this machine's: lifecycle.adopt_host_keys.
+    # The controller's known_hosts (relative to its home) and this machine's: reopen.adopt_host_keys.
     registry.save(dataclasses.replace(job_record, watcher={"job": watcher.name, "home": home, "paths": paths,
                                                            "known_hosts": str(copies["known_hosts"])}))
     registry.save(dataclasses.replace(registry.load(watcher.name), window=WINDOW))
@@ -140,7 +144,8 @@ def check_watcher(task, name: str, python: str, base: str, env: dict[str, str]) 
     SpeedrunError with its error line when it fails there. The variables go in the script (ssh's
     stdin), not on a command line that `ps` shows."""
     exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items())
-    r = task.host.shell(f"{exports}cd {shlex.quote(base)} && exec {python} -m speedrun watch --check {shlex.quote(name)}",
+    r = task.host.shell(f"{exports}cd {shlex.quote(base)} && "
+                        f"exec {python} -m speedrun watch --check {shlex.quote(name)}",
                         timeout=CHECK_TIMEOUT_S)
     if r.returncode != 0:
         lines = [ln for ln in r.stderr.splitlines() if ln.strip()] or [f"exit status {r.returncode}"]

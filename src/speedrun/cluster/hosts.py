@@ -103,7 +103,7 @@ class Host(ABC):
         process ends. None when nothing is needed (the host is this machine)."""
         return None
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027  (a default: only hosts holding connections override it)
         """Release connections held for this host (nothing for the local host)."""
 
     def __repr__(self) -> str:

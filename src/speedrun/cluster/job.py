@@ -1,6 +1,6 @@
 """Job: N tasks on N hosts (or N sessions on this machine), and what can be done with all of
 them at once: run, upload, launch one torchrun per node, wait, status, logs, attach, kill,
-TensorBoard. A Job is made (or found again) by speedrun.cluster.lifecycle's make_job and open_job.
+TensorBoard. A Job is made by speedrun.cluster.lifecycle's make_job, or found again by reopen's open_job.
 
     job = make_job("resnet", 2, provider="ssh", hosts=["gpu1", "gpu2"], run_root="/shared/runs",
                    setup=open("setup.sh").read(), sync=".")
@@ -20,7 +20,7 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence, TextIO, TypeVar
+from typing import Any, Iterator, Mapping, Sequence, TextIO
 
 from speedrun.cluster import tmux
 from speedrun.cluster.hosts import HostLost, HostUnreachable
@@ -28,6 +28,7 @@ from speedrun.cluster.provider import Provider
 from speedrun.cluster.tensorboard import TensorBoard, start_tensorboard
 from speedrun.cluster.task import (Command, CommandFailed, CommandLost, Result, Task, check_name, tmux_message,
                                    until_lost)
+from speedrun.cluster.utils import REACH_TIMEOUT_S, parallel
 from speedrun.errors import SpeedrunError
 
 log = logging.getLogger("speedrun.cluster")
@@ -36,32 +37,10 @@ log = logging.getLogger("speedrun.cluster")
 DEFAULT_SYNC_EXCLUDE = (".git", "data", "runs", "__pycache__", "*.egg-info", ".venv", "venv", ".pytest_cache",
                         ".mypy_cache", ".ruff_cache", "build", "dist")
 
-# How long whole-job commands (ls, kill, logs) wait for one host before they report it unreachable
-# and go on with the others, seconds.
-REACH_TIMEOUT_S = 5.0
-
 # How long each task's torchrun waits for all of them to join its rendezvous, seconds. torchrun's
 # own default, 900 s, keeps a job whose other host never started "running" for a quarter of an
 # hour; launch starts every task within seconds of the others, so two minutes is ample.
 JOIN_TIMEOUT_S = 120.0
-
-T = TypeVar("T")
-R = TypeVar("R")
-
-
-def parallel(fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
-    """fn on every item at once (threads: the work is waiting on hosts); results in order.
-    If some fail, raises the first failure, noting how many others failed too."""
-    if len(items) <= 1:
-        return [fn(x) for x in items]
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(32, len(items))) as pool:
-        futures = [pool.submit(fn, x) for x in items]
-        errors = [f.exception() for f in futures if f.exception() is not None]
-        if errors:
-            if len(errors) > 1 and isinstance(errors[0], SpeedrunError) and not isinstance(errors[0], CommandFailed):
-                raise SpeedrunError(f"{errors[0]} (and {len(errors) - 1} more failed alike)") from errors[0]
-            raise errors[0]
-        return [f.result() for f in futures]
 
 
 def interface_towards(task: Task, address: str) -> str | None:

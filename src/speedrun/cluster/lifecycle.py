@@ -1,5 +1,6 @@
-"""A job's lifecycle: making it (`make_job`) and finding it again (`open_job`, which takes what a
-watcher on a controller host changed: `refreshed`, `adopt_host_keys`; controller.py).
+"""A job's lifecycle: making it (`make_job`), recording it (`save_record`) and putting a task on a
+new host (`replace_task`). Finding it again is reopen.py's (`open_job`); stopping its watcher on a
+controller host, watcher.py's.
 
 make_job gets the hosts from the provider, then:
 
@@ -14,76 +15,29 @@ make_job gets the hosts from the provider, then:
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
-import json
 import logging
 import os
 import posixpath
-import shlex
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from speedrun import files
 from speedrun.cluster import registry, tmux
 from speedrun.cluster.hosts import Host
-from speedrun.cluster.job import DEFAULT_SYNC_EXCLUDE, REACH_TIMEOUT_S, HostSetup, Job, parallel
+from speedrun.cluster.job import DEFAULT_SYNC_EXCLUDE, HostSetup, Job
+from speedrun.cluster.probe import TaskProbe, probe_task, resolve
 from speedrun.cluster.provider import Provider
-from speedrun.cluster.providers import make_provider, provider_from_record
-from speedrun.cluster.ssh import SSHHost, SSHOptions
+from speedrun.cluster.providers import make_provider
+from speedrun.cluster.reopen import recorded
+from speedrun.cluster.ssh import SSHOptions
 from speedrun.cluster.task import CommandFailed, Task, check_name, tmux_message
+from speedrun.cluster.utils import parallel
+from speedrun.cluster.watcher import stop_watcher_for_new_run
 from speedrun.errors import SpeedrunError
 
 log = logging.getLogger("speedrun.cluster")
 
-
-@dataclass
-class TaskProbe:
-    """What make_job learns about a task's host before deciding anything (see tmux.probe)."""
-
-    home: str
-    ip: str
-    session: bool
-    run_dir: str
-    created: int
-    now: int
-    windows: list[tuple[bool, str]]  # (alive, window name)
-    last_seq: int
-    setup_hash: str
-
-    @property
-    def running(self) -> list[str]:
-        """Names of the windows whose commands are still running (the idle shell does not count)."""
-        return [name for alive, name in self.windows if alive and name != "shell"]
-
-def probe_task(host: Host, socket: str, session: str, index: int, setup_mark: str,
-               timeout: float | None = None) -> TaskProbe:
-    """Look at task `index`'s host in one round trip (see tmux.probe); SpeedrunError if it can't serve
-    (or does not answer within `timeout` seconds)."""
-    r = host.shell(tmux.probe(socket, session, index, setup_mark, local=host.is_local), timeout=timeout)
-    f = tmux.parse_fields(r.text)
-    if r.returncode != 0 or "home" not in f:
-        raise SpeedrunError(f"cannot inspect {host.name}: {tmux_message(r.stderr)}")
-    if f.get("tmux") != "1":
-        raise SpeedrunError(f"tmux is not installed on {host.name}: install it there (apt-get install tmux)")
-    windows = []
-    for line in f.get("window", "").splitlines():
-        dead, _, name = line.partition(" ")
-        windows.append((dead == "0", name))
-    return TaskProbe(home=f["home"], ip=f.get("ip", "127.0.0.1"), session=f.get("session") == "1",
-                     run_dir=f.get("run_dir", ""), created=int(f.get("created") or 0), now=int(f.get("now") or 0),
-                     windows=windows, last_seq=int(f.get("last_seq") or 0), setup_hash=f.get("setup_hash", ""))
-
-def resolve(path: str, home: str, local: bool) -> str:
-    """An absolute path on a host: `~` and relative paths start at its home, except on this machine,
-    where relative paths start at the current directory."""
-    if path == "~" or path.startswith("~/"):
-        return posixpath.normpath(home + path[1:])
-    if posixpath.isabs(path):
-        return posixpath.normpath(path)
-    return str(Path(path).resolve()) if local else posixpath.normpath(posixpath.join(home, path))
 
 def make_job(name: str, num_tasks: int = 1, *, provider: str | Provider = "local", hosts: Sequence[str] = (),
              run_root: str | None = None, run_name: str = "run", setup: str | None = None,
@@ -123,7 +77,8 @@ def make_job(name: str, num_tasks: int = 1, *, provider: str | Provider = "local
     prov = make_provider(provider, name, hosts, ssh, config_dir, options)
     hosts_ = prov.hosts(num_tasks)
     run_root = run_root or prov.run_root or "runs"
-    hs = HostSetup(tmux_socket, host_dir, Path(sync).resolve() if sync is not None else None, tuple(sync_exclude), setup)
+    hs = HostSetup(tmux_socket, host_dir, Path(sync).resolve() if sync is not None else None, tuple(sync_exclude),
+                   setup)
     setup_mark = setup_mark_of(hs, name)
     probes = parallel(lambda i: probe_task(hosts_[i], tmux_socket, f"{name}-{i}", i, setup_mark), range(num_tasks))
 
@@ -158,26 +113,6 @@ def make_job(name: str, num_tasks: int = 1, *, provider: str | Provider = "local
 
     save_record(job, config_dir)
     return job
-
-
-def recorded(name: str, config_dir: str | os.PathLike | None = None) -> registry.JobRecord | None:
-    """Job `name`'s record here; None when there is none or it is damaged (it is written anew)."""
-    try:
-        return registry.load(name, config_dir) if registry.exists(name, config_dir) else None
-    except SpeedrunError:
-        return None
-
-
-def stop_watcher_for_new_run(name: str, config_dir: str | os.PathLike | None = None) -> None:
-    """Stop and forget the recorded watcher of job `name` before a new run of it starts;
-    SpeedrunError, with nothing started, when it could not be stopped."""
-    rec = recorded(name, config_dir)
-    stopped = stop_watcher(rec, config_dir, forget=True) if rec is not None else None
-    if stopped is not None and stopped.ok:
-        log.info("job %s: %s (a new run starts)", name, stopped.line)
-    elif stopped is not None:
-        raise SpeedrunError(stopped.refusal(name, "no new run was started, since that watcher would start "
-                                                  "the old one again in its place"))
 
 
 def setup_mark_of(hs: HostSetup, job: str) -> str:
@@ -245,119 +180,3 @@ def run_setup(task: Task, setup: str, digest: str, recorded: str, mark: str) -> 
     task.write(mark, digest + "\n")
 
 
-def open_job(name: str, config_dir: str | os.PathLike | None = None, *, probe: bool = True) -> Job:
-    """The job `name` as recorded by make_job on this machine, to inspect, follow, attach to or kill.
-
-    probe=False skips contacting the hosts (enough for status and kill; run and launch need it)."""
-    rec, pinned = refreshed(registry.load(name, config_dir), config_dir)  # a watcher elsewhere may have moved tasks
-    prov = provider_from_record(rec.provider, registry.path_of(name, config_dir))
-    hosts_ = prov.hosts(rec.num_tasks)
-    adopt_host_keys(rec, hosts_, pinned)  # and met a replacement there first
-    sessions = [f"{name}-{i}" for i in range(rec.num_tasks)]
-
-    def task(i: int) -> Task:
-        p = None
-        if probe:
-            try:
-                p = probe_task(hosts_[i], rec.tmux_socket, sessions[i], i, "/dev/null", timeout=REACH_TIMEOUT_S)
-            except SpeedrunError:
-                pass  # unreachable: status says so; other operations raise when they try it
-        home_ = p.home if p else "~"
-        cwd = resolve(rec.cwd, home_, hosts_[i].is_local) if rec.cwd else f"{rec.run_dir}/task-{i}"
-        return Task(job=name, index=i, host=hosts_[i], run_dir=rec.run_dir, cwd=cwd, home=home_,
-                    ip=p.ip if p else "", tmux_socket=rec.tmux_socket, last_seq=p.last_seq if p else 0)
-
-    tasks = parallel(task, range(rec.num_tasks))
-    return Job(name, tasks, rec.run_dir, prov, python=rec.python, reconnected=True)
-
-
-def refreshed(rec: registry.JobRecord, config_dir: str | os.PathLike | None = None) -> tuple[registry.JobRecord, str]:
-    """A job's record with the provider's state as its controller keeps it (a watcher there may have
-    replaced hosts) and this machine's paths, saved here when it changed; and the controller's
-    known_hosts text (for adopt_host_keys). The record as it is and "" when the job has no watcher
-    elsewhere or the controller does not answer within seconds."""
-    w = rec.watcher
-    if not w:
-        return rec, ""
-    cut = "--- speedrun: known_hosts ---"  # between the record and the pinned keys, in one round trip
-    try:
-        host = provider_from_record(registry.load(w["job"], config_dir).provider).hosts(1)[0]
-        home = shlex.quote(w["home"])
-        r = host.shell(f"cat {home}/jobs/{shlex.quote(rec.name)}.json && echo {shlex.quote(cut)} && "
-                       f"cat {home}/known_hosts 2>/dev/null; true", timeout=REACH_TIMEOUT_S)
-        text, _, known_hosts = r.text.partition(f"{cut}\n")
-        remote = json.loads(text)["provider"]
-    except (SpeedrunError, ValueError, KeyError) as e:
-        log.debug("job %s: its controller's record is out of reach (%s); using this one", rec.name, e)
-        return rec, ""
-    provider = {**remote, **{k: rec.provider[k] for k in w["paths"]}}
-    if provider != rec.provider:
-        rec = dataclasses.replace(rec, provider=provider)
-        registry.save(rec, config_dir)
-    return rec, known_hosts
-
-
-def adopt_host_keys(rec: registry.JobRecord, hosts: list[Host], remote_known_hosts: str) -> None:
-    """Pin here the keys the controller pinned for the job's `hosts` (its known_hosts text), in place
-    of any this machine has for those names. The watcher learned a replacement's key on first
-    contact, as this machine would have; only the job's current hosts are taken, because the rest
-    of the controller's copy may be older than this machine's (AWS reuses addresses)."""
-    local = (rec.watcher or {}).get("known_hosts")
-    if not local or not remote_known_hosts:
-        return
-    names = {h.spec.host if h.spec.port in (None, 22) else f"[{h.spec.host}]:{h.spec.port}"
-             for h in hosts if isinstance(h, SSHHost)}
-    path = Path(local)
-    lines = path.read_text().splitlines() if path.exists() else []
-
-    def pinned(text: list[str]) -> dict[str, set[str]]:
-        """host name -> its keys ("type base64"), for the job's host names only."""
-        found: dict[str, set[str]] = {}
-        for line in text:
-            fields = line.split()
-            if len(fields) >= 3 and not line.startswith(("#", "@")):
-                for name in set(fields[0].split(",")) & names:
-                    found.setdefault(name, set()).add(" ".join(fields[1:3]))
-        return found
-    mine, theirs = pinned(lines), pinned(remote_known_hosts.splitlines())
-    changed = sorted(n for n in theirs if theirs[n] != mine.get(n))
-    if not changed:
-        return
-    kept = [ln for ln in lines if not (ln.split() and set(ln.split()[0].split(",")) & set(changed))]
-    files.write_text(path, "".join(f"{ln}\n" for ln in kept) +
-                     "".join(f"{n} {key}\n" for n in changed for key in sorted(theirs[n])))
-    log.info("job %s: pinned the host key(s) its watcher learned for %s", rec.name, ", ".join(changed))
-
-
-@dataclass(frozen=True)
-class WatcherStop:
-    """What stop_watcher did: `ok` when the watcher is known to be stopped, and a line saying so
-    (or why it could not be); `record`, the watcher's record on this machine."""
-
-    ok: bool
-    line: str
-    record: Path
-
-    def refusal(self, job: str, consequence: str) -> str:
-        """The one line for a command that did not go on because job `job`'s watcher could not be
-        stopped (`consequence`: what was left undone and why), with the ways out."""
-        return (f"job {job}: {self.line}; {consequence}: run this again once that host answers (if it is gone "
-                f"for good, so is the watcher: delete {self.record})")
-
-
-def stop_watcher(rec: registry.JobRecord, config_dir: str | os.PathLike | None = None, *,
-                 forget: bool = False) -> WatcherStop | None:
-    """Kill the job's watcher on its controller (controller.py) and, with `forget`, once it is
-    stopped, its record; None when the job has no watcher elsewhere. One that could not be reached
-    keeps its record: it may still run there, and only that record lets a later call stop it."""
-    if not rec.watcher or not registry.exists(rec.watcher["job"], config_dir):
-        return None
-    watcher = open_job(rec.watcher["job"], config_dir, probe=False)
-    where = watcher[0].host.name
-    record = registry.path_of(watcher.name, config_dir)
-    unreachable = watcher.kill()
-    if unreachable:
-        return WatcherStop(False, f"its watcher on {where} could not be stopped ({unreachable[0]})", record)
-    if forget:
-        registry.forget(watcher.name, config_dir)
-    return WatcherStop(True, f"stopped its watcher on {where}", record)

@@ -2,7 +2,7 @@
 
     local  this machine, every task a tmux session of its own
     ssh    given machines, `user@host[:port]`, one task per machine, through the OpenSSH client
-    aws    EC2 instances speedrun starts itself (aws.py), reached as SSH hosts
+    aws    EC2 instances speedrun starts itself (the aws package), reached as SSH hosts
 """
 from __future__ import annotations
 
@@ -58,7 +58,8 @@ class SSHProvider(Provider):
             raise SpeedrunError("the ssh provider needs hosts: pass hosts=[...] (--hosts user@host,...)")
         specs = [HostSpec.parse(h) for h in hosts]
         if len({str(s) for s in specs}) != len(specs):
-            raise SpeedrunError(f"a host is listed twice in {', '.join(hosts)}: the ssh provider runs one task per host")
+            raise SpeedrunError(f"a host is listed twice in {', '.join(hosts)}: "
+                                "the ssh provider runs one task per host")
         self.options = options
         self._hosts = [SSHHost(s, options) for s in specs]
 
@@ -86,7 +87,8 @@ class SSHProvider(Provider):
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> SSHProvider:
-        options = SSHOptions(known_hosts=_absolute(record["known_hosts"]), identity_file=_absolute(record.get("identity_file")),
+        options = SSHOptions(known_hosts=_absolute(record["known_hosts"]),
+                             identity_file=_absolute(record.get("identity_file")),
                              ssh_config=_absolute(record.get("ssh_config")))
         return cls(record["hosts"], options)
 

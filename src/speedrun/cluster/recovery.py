@@ -25,8 +25,9 @@ import shlex
 import time
 from dataclasses import asdict, dataclass
 
-from speedrun.cluster.job import REACH_TIMEOUT_S, Job, TaskStatus, parallel
+from speedrun.cluster.job import Job, TaskStatus
 from speedrun.cluster.lifecycle import replace_task, save_record
+from speedrun.cluster.utils import REACH_TIMEOUT_S, parallel
 from speedrun.errors import SpeedrunError
 
 log = logging.getLogger("speedrun.cluster")

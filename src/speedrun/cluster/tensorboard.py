@@ -95,7 +95,8 @@ def wait_for_tunnel(tunnel: subprocess.Popen, port: int, timeout: float) -> None
     while True:
         if tunnel.poll() is not None:
             err = tunnel.stderr.read().decode("utf-8", errors="replace").strip() if tunnel.stderr else ""
-            raise SpeedrunError(f"the ssh tunnel for TensorBoard failed: {err.splitlines()[-1] if err else 'no message'}")
+            raise SpeedrunError("the ssh tunnel for TensorBoard failed: "
+                                f"{err.splitlines()[-1] if err else 'no message'}")
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
             return
         if time.monotonic() > deadline:

@@ -8,6 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from speedrun.data.kinds import DATASETS
+from speedrun.data.kinds import LOADERS as LOADERS  # also offered here, where it was first
 from speedrun.errors import SpeedrunError
 
 if TYPE_CHECKING:
@@ -15,10 +17,6 @@ if TYPE_CHECKING:
 
     from speedrun.data.base import DataSource
     from speedrun.recipe import Recipe
-
-
-LOADERS = ("auto", "pil", "gpu", "dali")  # how image files are decoded for training; see docs/data.md
-DATASETS = ("fashion-mnist", "imagefolder")  # what a recipe's `dataset` may name
 
 
 def build_source(
@@ -39,7 +37,8 @@ def build_source(
     "auto" the GPU path on GPUs with hardware JPEG decoders, else PIL.
     """
     if loader != "auto" and recipe.dataset != "imagefolder":
-        raise SpeedrunError(f"--loader {loader} applies to image folders; recipe {recipe.name!r} reads {recipe.dataset}")
+        raise SpeedrunError(f"--loader {loader} applies to image folders; "
+                            f"recipe {recipe.name!r} reads {recipe.dataset}")
     if recipe.dataset != "imagefolder" and path is not None and is_image_folder(path):
         from speedrun.recipes import BUILTIN
 

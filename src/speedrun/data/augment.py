@@ -171,8 +171,8 @@ def _canvas_crops(images: list[torch.Tensor], boxes: torch.Tensor, windows: list
     canvas = flat[:, at].float()
     rois = torch.cat([torch.zeros(len(group), 1, dtype=torch.float64), boxes[group.start : group.stop]
                       + torch.tensor(shift, dtype=torch.float64)], dim=1).float()
-    return _resample(canvas[None], host_to_device(rois, device), host_to_device(flips[group.start : group.stop], device),
-                     size)
+    return _resample(canvas[None], host_to_device(rois, device),
+                     host_to_device(flips[group.start : group.stop], device), size)
 
 
 def resize_center_crop(images: torch.Tensor, size: int, resize: int) -> torch.Tensor:

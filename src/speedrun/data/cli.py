@@ -23,28 +23,35 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("src", metavar="SRC", help="image-folder root (with train/ and val/)")
     p.add_argument("dst", metavar="DST", help="where the copies go (recommended: SRC-sz)")
-    p.add_argument("--sizes", type=int, nargs="+", default=[160, 352], metavar="N", help="shorter sides in px (default: 160 352)")
+    p.add_argument("--sizes", type=int, nargs="+", default=[160, 352], metavar="N",
+                   help="shorter sides in px (default: 160 352)")
     p.add_argument("--quality", type=int, default=90, metavar="Q", help="JPEG quality 1..100 (default: 90)")
     p.add_argument("--workers", type=int, default=None, metavar="N", help="processes (default: all cores)")
     p.set_defaults(func=cmd_prepare)
 
-    p = cmds.add_parser("synth", help="generate an image-folder tree (ImageNet-shaped, or learnable from Fashion-MNIST)")
+    p = cmds.add_parser("synth",
+                        help="generate an image-folder tree (ImageNet-shaped, or learnable from Fashion-MNIST)")
     kinds = p.add_subparsers(dest="kind", metavar="KIND", required=True)
-    k = kinds.add_parser("imagenet", help="ImageNet-shaped JPEGs (mean ~400x350 px, mostly 4:3 and 3:4), for speed tests")
+    k = kinds.add_parser("imagenet",
+                         help="ImageNet-shaped JPEGs (mean ~400x350 px, mostly 4:3 and 3:4), for speed tests")
     k.add_argument("dst", metavar="DST")
     k.add_argument("--classes", type=int, default=10)
     k.add_argument("--train-per-class", type=int, default=100)
     k.add_argument("--val-per-class", type=int, default=20)
     _common_synth(k)
     k.set_defaults(func=cmd_synth_imagenet)
-    k = kinds.add_parser("fmnist-tree", help="learnable tree: Fashion-MNIST garments off-centre on canvases of varied aspect ratio")
+    k = kinds.add_parser("fmnist-tree",
+                         help="learnable tree: Fashion-MNIST garments off-centre on canvases of varied aspect ratio")
     k.add_argument("dst", metavar="DST")
     k.add_argument("--train", type=int, default=6000, help="training images (from Fashion-MNIST's 60k)")
     k.add_argument("--val", type=int, default=1000, help="validation images (from Fashion-MNIST's 10k test set)")
-    k.add_argument("--source", default=None, help="folder with the four IDX .gz files (default: /usr/share/datasets/fashion-mnist)")
+    k.add_argument("--source", default=None,
+                   help="folder with the four IDX .gz files (default: /usr/share/datasets/fashion-mnist)")
     look = k.add_mutually_exclusive_group()
-    look.add_argument("--side", type=int, default=None, metavar="PX", help="square canvases of PX pixels instead of varied ones")
-    look.add_argument("--plain", action="store_true", help="the 28 x 28 grayscale originals as PNG files, nothing added")
+    look.add_argument("--side", type=int, default=None, metavar="PX",
+                      help="square canvases of PX pixels instead of varied ones")
+    look.add_argument("--plain", action="store_true",
+                      help="the 28 x 28 grayscale originals as PNG files, nothing added")
     _common_synth(k)
     k.set_defaults(func=cmd_synth_fmnist)
 
@@ -82,7 +89,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 def cmd_synth_imagenet(args: argparse.Namespace) -> int:
     from speedrun.data.synth import imagenet_tree
 
-    s = imagenet_tree(args.dst, args.classes, args.train_per_class, args.val_per_class, args.quality, args.seed, args.workers)
+    s = imagenet_tree(args.dst, args.classes, args.train_per_class, args.val_per_class, args.quality, args.seed,
+                      args.workers)
     Console(soft_wrap=True).print(f"wrote {s.train} train and {s.val} val images in {s.classes} classes to {s.root}")
     return 0
 

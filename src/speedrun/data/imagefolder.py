@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from speedrun.data import LOADERS
+from speedrun.data.kinds import LOADERS
 from speedrun.data.base import CountedFiles, Batch, Shard, TrainStream, split_batches_contiguously
 from speedrun.data import gpu
 from speedrun.data.index import Index, Split, load_index
@@ -246,7 +246,8 @@ class ImageFolderSource:
             else:
                 root = self.copy_root(copy)
                 if (root / "train").is_dir() and (root / "val").is_dir():
-                    self._indexes[copy] = load_index(root, self.options.workers or None, classes=self.index(None).classes)
+                    self._indexes[copy] = load_index(root, self.options.workers or None,
+                                                     classes=self.index(None).classes)
                 else:
                     self._indexes[copy] = None
         return self._indexes[copy]
@@ -258,7 +259,8 @@ class ImageFolderSource:
             if copy not in self._warned:
                 self._warned.add(copy)
                 log.warning(
-                    "no %d px copy at %s (make it with: speedrun data prepare %s %s --sizes %d); reading full-size images",
+                    "no %d px copy at %s (make it with: speedrun data prepare %s %s --sizes %d); "
+                    "reading full-size images",
                     copy, self.copy_root(copy), self.root, self.copies_dir, copy)
             return None, self.index(None)
         return copy, index
@@ -304,7 +306,8 @@ class ImageFolderSource:
         mine = [plan[i] for i in split_batches_contiguously(len(plan), shard)]
         if not mine:
             return
-        dataset = _EvalDecoder(self.copy_root(copy), self._val_split(copy), resize_for(size, crop_pct), self.options.draft)
+        dataset = _EvalDecoder(self.copy_root(copy), self._val_split(copy), resize_for(size, crop_pct),
+                               self.options.draft)
         keys = [[(r, b.height, b.width) for r in b.rows] for b in mine]
         workers = min(self.options.workers, len(keys))
         loader = DataLoader(

@@ -133,7 +133,8 @@ def _walk_class(walk: _Walk, split: str, cls: str) -> Iterator[_Entry]:
     # String slicing, not Path.relative_to: this runs once per file (1.3M times for ImageNet).
     cut = len(str(root)) + 1
     if top.is_symlink() and walk.escapes(str(top), walk.root_real / split) is not None:
-        bad.append(BadFile(str(top)[cut:], f"class folder links to {os.path.realpath(top)}, outside {split}/: not used"))
+        bad.append(BadFile(str(top)[cut:],
+                           f"class folder links to {os.path.realpath(top)}, outside {split}/: not used"))
         return
     home = top.resolve()
     stack = [top]
@@ -144,7 +145,8 @@ def _walk_class(walk: _Walk, split: str, cls: str) -> Iterator[_Entry]:
             st = folder.stat()
             key = (st.st_dev, st.st_ino)
             if key in walk.folders:
-                bad.append(BadFile(rel_folder, "folder reached a second time through a symlink: its images are used once"))
+                bad.append(BadFile(rel_folder,
+                                   "folder reached a second time through a symlink: its images are used once"))
                 continue
             walk.folders.add(key)
             # Real files before links, so that a file reached both ways is reported as the link.
@@ -167,7 +169,8 @@ def _walk_class(walk: _Walk, split: str, cls: str) -> Iterator[_Entry]:
                 target = walk.escapes(entry.path, home)
                 if target is not None:
                     what = "folder" if is_dir else "file"
-                    bad.append(BadFile(rel, f"{what} symlink to {target} leaves its class folder {split}/{cls}: not used"))
+                    bad.append(BadFile(rel,
+                                       f"{what} symlink to {target} leaves its class folder {split}/{cls}: not used"))
                     continue
             if is_dir:
                 subfolders.append(Path(entry.path))
@@ -195,7 +198,8 @@ def _walk_class(walk: _Walk, split: str, cls: str) -> Iterator[_Entry]:
 def _class_folders(root: Path, split: str) -> list[str]:
     folder = root / split
     try:
-        return sorted(e.name for e in os.scandir(folder) if e.is_dir(follow_symlinks=True) and not e.name.startswith("."))
+        return sorted(e.name for e in os.scandir(folder)
+                      if e.is_dir(follow_symlinks=True) and not e.name.startswith("."))
     except OSError as e:
         raise SpeedrunError(f"cannot list {folder}: {e.strerror or e}") from None
 

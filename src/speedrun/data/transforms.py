@@ -77,7 +77,8 @@ def crop_params(
     return (width - w) // 2, (height - h) // 2, w, h
 
 
-def _reduce(img: Image.Image, region_w: float, region_h: float, out_w: int, out_h: int, draft: bool) -> tuple[Image.Image, float, float]:
+def _reduce(img: Image.Image, region_w: float, region_h: float, out_w: int, out_h: int,
+            draft: bool) -> tuple[Image.Image, float, float]:
     """Decode the opened `img` at the coarsest DCT scale that keeps the region >= the output.
 
     Returns the decoded RGB image and the factors (x, y) from original to decoded pixels (libjpeg

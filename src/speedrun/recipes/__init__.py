@@ -38,7 +38,8 @@ def load_recipe(name_or_path: str) -> Recipe:
     except Exception as e:  # a user's file: report its error in one line
         raise RecipeError([f"recipe file {str(path)!r} failed to load: {type(e).__name__}: {e}"]) from None
     except SystemExit as e:  # exit() in a recipe would end `speedrun train` silently, even with status 0
-        raise RecipeError([f"recipe file {str(path)!r} called exit({e.code!r}) while loading; a recipe file only defines `recipe`"]) from None
+        raise RecipeError([f"recipe file {str(path)!r} called exit({e.code!r}) while loading; "
+                           "a recipe file only defines `recipe`"]) from None
     recipe = getattr(module, "recipe", None)
     if not isinstance(recipe, Recipe):
         raise RecipeError([f"recipe file {str(path)!r} must define a variable `recipe` holding a speedrun.Recipe"])

@@ -23,8 +23,9 @@ def _decay(start: int, end: int) -> tuple[float, float]:
 
 # Measured on 2 CPU cores (docs/measurements.md): crosses 92% test top-1 at epoch 7. Small
 # images first (20 -> 24 -> 28 px: an epoch at 20 px costs about 0.6 of one at 28 px); crops
-# as in GEOMETRY; the evaluated weights are a moving average, which reaches a given accuracy epochs before the raw weights do; evaluating each test
-# image and its mirror adds 0.1-0.3 points (92% one epoch sooner) for 2 s per evaluation.
+# as in GEOMETRY; the evaluated weights are a moving average, which reaches a given accuracy
+# epochs before the raw weights do; evaluating each test image and its mirror adds 0.1-0.3
+# points (92% one epoch sooner) for 2 s per evaluation.
 fashion_mnist = Recipe(
     name="fashion-mnist",
     description="Default demo: a small ResNet on Fashion-MNIST, 20 -> 28 px, to 92% test top-1 on 2 CPU cores.",

@@ -71,7 +71,8 @@ def evaluate_run(cfg: EvalConfig) -> dict[str, Any]:
                 if "size mismatch" not in str(e):
                     raise
                 raise SpeedrunError(f"{data or recipe.dataset} has {source.num_classes} classes, not as many as the "
-                                    "checkpoint's weights were trained on: give data with the same class folders") from None
+                                    "checkpoint's weights were trained on: "
+                                    "give data with the same class folders") from None
             if note and ctx.is_main:
                 print(f"speedrun: {note}", file=sys.stderr, flush=True)
             model, channels_last = to_device(model, ctx.device)
@@ -89,12 +90,14 @@ def evaluate_run(cfg: EvalConfig) -> dict[str, Any]:
             source.close()
         record = {
             "checkpoint_epoch": saved["state"]["epoch"], "weights": weights, "size": size, "rect": rect, "flip": flip,
-            "crop_pct": crop_pct, "batch_size": batch_size, "data": data, "world_size": ctx.world_size, "precision": precision, **metrics,
+            "crop_pct": crop_pct, "batch_size": batch_size, "data": data, "world_size": ctx.world_size,
+            "precision": precision, **metrics,
         }
         if ctx.is_main:
             print(
                 f"{cfg.run_dir}: epoch {record['checkpoint_epoch']} {weights} weights, {size}px "
-                f"{'rect' if rect else 'square'} crop_pct {crop_pct:.3g}{' + flips' if flip else ''}, {metrics['count']} images on "
+                f"{'rect' if rect else 'square'} crop_pct {crop_pct:.3g}{' + flips' if flip else ''}, "
+                f"{metrics['count']} images on "
                 f"{processes(ctx.world_size)}: loss {metrics['loss']:.4f}  top1 {100 * metrics['top1']:.2f}%  "
                 f"top5 {100 * metrics['top5']:.2f}%",
                 flush=True,
@@ -103,7 +106,8 @@ def evaluate_run(cfg: EvalConfig) -> dict[str, Any]:
                 with open(cfg.run_dir / "eval.jsonl", "a") as f:
                     f.write(json.dumps(record) + "\n")
             except OSError as e:  # a read-only copy of a run, say: the metrics above still count
-                print(f"speedrun: not recorded in {cfg.run_dir / 'eval.jsonl'} ({e.strerror or e}); the metrics above are "
+                print(f"speedrun: not recorded in {cfg.run_dir / 'eval.jsonl'} ({e.strerror or e}); "
+                      "the metrics above are "
                       "all there is of this evaluation", file=sys.stderr, flush=True)
         return record
     finally:
@@ -118,7 +122,8 @@ def check_classes(state: dict[str, Any], source: Any, data: str | None) -> str |
     where = data or "the data"
     trained, count = state.get("classes"), state.get("num_classes")
     if count is None:
-        return "the checkpoint records no class names (made before speedrun recorded them): only their number is checked"
+        return ("the checkpoint records no class names (made before speedrun recorded them): "
+                "only their number is checked")
     if count != source.num_classes:
         raise SpeedrunError(f"{where} has {source.num_classes} classes, the checkpoint was trained on {count}: "
                             "give data with the same class folders")
@@ -133,4 +138,5 @@ def check_classes(state: dict[str, Any], source: Any, data: str | None) -> str |
 
 def out_of_memory(error: BaseException) -> bool:
     """Whether `error` is an allocation that failed (CPU or GPU), not a bug."""
-    return isinstance(error, torch.OutOfMemoryError) or "can't allocate memory" in str(error) or "out of memory" in str(error)
+    return (isinstance(error, torch.OutOfMemoryError)
+            or "can't allocate memory" in str(error) or "out of memory" in str(error))

@@ -1,23 +1,23 @@
-"""`speedrun train` and `speedrun recipes`."""
+"""The training area's commands: `speedrun train | eval | recipes | tune-host`."""
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import os
-import re
-import sys
-import time
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
 from speedrun.config import absolute_data
-from speedrun.data import LOADERS, folder_summary, is_image_folder
-from speedrun.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_RESUMABLE, SpeedrunError, TrainingFailed
-from speedrun.stopping import IMDS_NOTICE_URL, NOTICE_ENV
-from speedrun.recipe import PRECISIONS, Recipe, RecipeError, Target
-from speedrun.recipes import BUILTIN, DEFAULT, FITTED, load_recipe
+from speedrun.console import print_table
+from speedrun.data.kinds import LOADERS
+from speedrun.errors import EXIT_FAILED, EXIT_RESUMABLE, SpeedrunError
+from speedrun.local_launch import launch_local_processes, process_start_time, strip_option
+from speedrun.spot import IMDS_NOTICE_URL, NOTICE_ENV
+from speedrun.recipe import PRECISIONS, Target
+from speedrun.recipes import BUILTIN, DEFAULT, FITTED
+from speedrun.recipes.fitting import recipe_for
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -29,13 +29,16 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog="Exit codes: 0 finished (results.json says whether the target was reached), 2 bad input, "
         "3 training failed (non-finite loss, a rank died), 130 interrupted.",
     )
-    p.add_argument("--recipe", default=None, metavar="NAME|FILE", help="built-in recipe name or a .py file defining `recipe` (default: fashion-mnist)")
+    p.add_argument("--recipe", default=None, metavar="NAME|FILE",
+                   help="built-in recipe name or a .py file defining `recipe` (default: fashion-mnist)")
     p.add_argument("--data", default=None, metavar="PATH", help="dataset location (default: the dataset's own lookup)")
-    p.add_argument("--target", default=None, metavar="METRIC=VALUE", help="stop at this accuracy, e.g. top5=0.93 or top1=92; 'none' runs every epoch")
+    p.add_argument("--target", default=None, metavar="METRIC=VALUE",
+                   help="stop at this accuracy, e.g. top5=0.93 or top1=92; 'none' runs every epoch")
     p.add_argument("--epochs", type=int, default=None, metavar="N",
                    help="cut the recipe to N epochs, or stretch every phase in proportion when N is more")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available, else cpu")
-    p.add_argument("--out", type=Path, default=None, metavar="DIR", help="run directory (default: runs/<recipe>-<date>-<time>)")
+    p.add_argument("--out", type=Path, default=None, metavar="DIR",
+                   help="run directory (default: runs/<recipe>-<date>-<time>)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--precision", choices=PRECISIONS, default="auto",
@@ -43,22 +46,27 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "on older ones (V100, T4), fp32 on CPU")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--deterministic", action="store_true", help="deterministic kernels: the same numbers run after run")
-    p.add_argument("--workers", type=int, default=None, metavar="N", help="decode processes per device for image folders")
-    p.add_argument("--copies", default=None, metavar="DIR", help="where an image folder's resized copies are (default: $SPEEDRUN_COPIES, else DATA-sz)")
+    p.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="decode processes per device for image folders")
+    p.add_argument("--copies", default=None, metavar="DIR",
+                   help="where an image folder's resized copies are (default: $SPEEDRUN_COPIES, else DATA-sz)")
     p.add_argument("--loader", choices=LOADERS, default="auto",
                    help="image-folder training decode: pil in worker processes; gpu: workers read bytes, torchvision "
                    "decodes on the training device (nvJPEG on CUDA); dali: NVIDIA DALI (needs speedrun[dali]); "
                    "auto: gpu on GPUs with hardware JPEG decoders (A100, H100, H200, B200), else pil")
-    p.add_argument("--log-every", type=int, default=50, metavar="STEPS", help="steps between train-loss records (default 50)")
+    p.add_argument("--log-every", type=int, default=50, metavar="STEPS",
+                   help="steps between train-loss records (default 50)")
     p.add_argument("--checkpoint-every", action="append", default=None, metavar="EPOCHS|MINUTESm",
                    help="epochs between checkpoints, 0 for none (default 1); `10m`: also one mid-epoch every 10 "
                         "minutes (both may be given)")
     p.add_argument("--spot-notice-url", default=os.environ.get(NOTICE_ENV),
                    help="poll this URL for a spot interruption notice and stop at a step when one comes "
                         f"(EC2: {IMDS_NOTICE_URL}; default ${NOTICE_ENV})")
-    p.add_argument("--nproc-per-node", type=int, default=None, metavar="N", help="start N processes on this machine through torchrun")
+    p.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                   help="start N processes on this machine through torchrun")
     p.add_argument("--sync-bn", action="store_true", help="synchronise BatchNorm statistics across processes")
-    p.add_argument("--bucket-cap-mb", type=float, default=25.0, metavar="MB", help="DDP gradient bucket size (default 25)")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0, metavar="MB",
+                   help="DDP gradient bucket size (default 25)")
     p.add_argument("--bf16-grads", action="store_true", help="all-reduce gradients in bf16 (CUDA)")
     p.set_defaults(func=cmd_train)
 
@@ -70,7 +78,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "Defaults: the recipe's last phase (size, rectangular or square validation, crop_pct) and its eval_flip.",
     )
     p.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run directory holding checkpoint.pt")
-    p.add_argument("--data", default=None, metavar="PATH", help="dataset location (default: the one the run trained on)")
+    p.add_argument("--data", default=None, metavar="PATH",
+                   help="dataset location (default: the one the run trained on)")
     p.add_argument("--size", type=int, default=None, metavar="PX", help="validation image size in pixels")
     shape = p.add_mutually_exclusive_group()
     shape.add_argument("--rect", dest="rect", action="store_true", default=None, help="rectangular validation")
@@ -83,9 +92,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=None, metavar="N", help="images per device per batch")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available, else cpu")
     p.add_argument("--precision", choices=PRECISIONS, default="auto", help="as for train")
-    p.add_argument("--workers", type=int, default=None, metavar="N", help="decode processes per device for image folders")
+    p.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="decode processes per device for image folders")
     p.add_argument("--copies", default=None, metavar="DIR", help="where an image folder's resized copies are")
-    p.add_argument("--nproc-per-node", type=int, default=None, metavar="N", help="evaluate on N processes through torchrun")
+    p.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                   help="evaluate on N processes through torchrun")
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser(
@@ -104,32 +115,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--project", metavar="RATES",
                    help="projected wall time of the recipe (without a name: of each ImageNet schedule) from training "
                    "images/s per GPU by size: 128=10842,224=4702,288=2900 or a GPU check's summary .json")
-    p.add_argument("--gpus", type=int, default=None, help="with --project: GPUs (default: as many as the recipe was written for)")
+    p.add_argument("--gpus", type=int, default=None,
+                   help="with --project: GPUs (default: as many as the recipe was written for)")
     p.add_argument("--scaling", type=float, default=1.0,
                    help="with --project: the fraction of linear speed-up kept across GPUs (default 1.0)")
     p.set_defaults(func=cmd_recipes)
-
-
-def recipe_for(name_or_path: str, data: str | None, workers: int | None = None) -> Recipe:
-    """A built-in recipe or a recipe file (`load_recipe`); a recipe fitted to its data
-    (`recipes.FITTED`) is fitted to the image folder at `data`."""
-    if name_or_path not in FITTED:
-        return load_recipe(name_or_path)
-    if data is None or not is_image_folder(data):
-        where = f"{data} is not one" if data is not None else "give one with --data DIR"
-        raise SpeedrunError(f"recipe {name_or_path} is fitted to an image folder (train/<class>/, val/<class>/): {where}")
-    side, count = folder_summary(data, workers)
-    return FITTED[name_or_path](side, count).validate()
-
-
-def print_table(console: Console, rows: list[dict], title: str | None = None, boxed: bool = False) -> None:
-    """Rows of equal keys as a table, the keys as its header (lines around the cells if `boxed`)."""
-    if not rows:
-        return
-    table = Table(*rows[0].keys(), title=title, **({} if boxed else {"box": None}))
-    for row in rows:
-        table.add_row(*(str(v) for v in row.values()))
-    console.print(table)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -148,7 +138,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise SpeedrunError(f"--bucket-cap-mb must be a size in MB above 0, got {args.bucket_cap_mb}")
     checkpoint_every, checkpoint_minutes = parse_checkpoint_every(args.checkpoint_every or ["1"])
     if args.spot_notice_url and not args.spot_notice_url.startswith(("http://", "https://")):
-        raise SpeedrunError(f"bad --spot-notice-url {args.spot_notice_url!r}: give an http:// URL, e.g. {IMDS_NOTICE_URL}")
+        raise SpeedrunError(f"bad --spot-notice-url {args.spot_notice_url!r}: "
+                            f"give an http:// URL, e.g. {IMDS_NOTICE_URL}")
     from speedrun.dist import pick_device
     from speedrun.config import TrainConfig
     from speedrun.engine import train
@@ -180,7 +171,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.nproc_per_node:
         if args.data is not None and not Path(args.data).exists():
             raise SpeedrunError(f"data path {args.data!r} does not exist")
-        from speedrun.engine import default_run_dir
+        from speedrun.rundir import default_run_dir
 
         forwarded = strip_option(args.argv, "--nproc-per-node")
         if args.out is None:  # fix the name here, so that every process writes to the same place
@@ -209,7 +200,8 @@ def parse_checkpoint_every(values: list[str]) -> tuple[int, float | None]:
                 if epochs < 0:
                     raise ValueError
         except ValueError:
-            raise SpeedrunError(f"bad --checkpoint-every {value!r}: give epochs (0 or more) or minutes, e.g. 10m") from None
+            raise SpeedrunError(f"bad --checkpoint-every {value!r}: "
+                                "give epochs (0 or more) or minutes, e.g. 10m") from None
     return epochs, minutes
 
 
@@ -221,14 +213,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.crop_pct is not None and not 0 < args.crop_pct <= 1:
         raise SpeedrunError(f"--crop-pct must be in (0, 1], got {args.crop_pct}")
     if not (args.run_dir / "checkpoint.pt").is_file():
-        raise SpeedrunError(f"no checkpoint at {args.run_dir / 'checkpoint.pt'}: RUN_DIR must be a run directory with a checkpoint")
+        raise SpeedrunError(f"no checkpoint at {args.run_dir / 'checkpoint.pt'}: "
+                            "RUN_DIR must be a run directory with a checkpoint")
     if args.nproc_per_node:
         return launch_local_processes(strip_option(args.argv, "--nproc-per-node"), args.nproc_per_node)
-    from speedrun.score import EvalConfig, evaluate_run
+    from speedrun.checkpoint_eval import EvalConfig, evaluate_run
 
     evaluate_run(EvalConfig(
         run_dir=args.run_dir, data=args.data, size=args.size, rect=args.rect, flip=args.flip,
-        crop_pct=args.crop_pct, batch_size=args.batch_size, device=args.device, precision=args.precision, workers=args.workers,
+        crop_pct=args.crop_pct, batch_size=args.batch_size, device=args.device, precision=args.precision,
+        workers=args.workers,
         copies=args.copies,
     ))
     return 0
@@ -247,96 +241,6 @@ def cmd_tune_host(args: argparse.Namespace) -> int:
         print("nothing changed; run `speedrun tune-host --apply` as root to write the sysctls, and "
               f"`ulimit -n {hosttune.OPEN_FILES}` in the shell that starts training")
     return 0
-
-
-def process_start_time() -> float:
-    """When this run began: the launcher's start when `--nproc-per-node` started us, else the
-    moment the command line was read (after Python and speedrun's imports)."""
-    return float(os.environ.get("SPEEDRUN_PROCESS_START", time.time()))
-
-
-def launch_local_processes(argv: list[str], n: int) -> int:
-    """Run `speedrun ARGV` as `n` processes on this machine through torchrun's launcher (the
-    elastic agent: it watches the processes and stops them all when one fails). A process that
-    refused bad input (exit 2) makes this a bad-input error too."""
-    import uuid
-
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    os.environ["SPEEDRUN_PROCESS_START"] = str(process_start_time())
-    # Share the cores instead of every process starting one thread per core.
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=n,
-        run_id=str(uuid.uuid4()),
-        rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",
-        max_restarts=0,
-        monitor_interval=0.5,
-    )
-    try:
-        elastic_launch(config, sys.executable)("-m", "speedrun", *argv)
-    except SignalException:  # SIGTERM here: torchrun passed it on, the processes stopped at a step
-        if run_status(argv) == "stopped":
-            return EXIT_RESUMABLE
-        raise KeyboardInterrupt("stopped by SIGTERM") from None
-    except ChildFailedError as e:
-        rank, failure = root_cause(e.failures)
-        # Stopped at a step: the first to exit made torchrun stop the others, whose exit codes do
-        # not matter then. Unless the root cause is a rank that died: that is reported.
-        if failure.exitcode == EXIT_RESUMABLE and run_status(argv) == "stopped":
-            return EXIT_RESUMABLE
-        message = failure.message or ""
-        if not message or str(message).startswith("To enable traceback"):  # torchrun's placeholder
-            message = "it left no error message"
-        elif isinstance(failure.message, dict):  # the error file our processes write (cli.report)
-            message = str(failure.message.get("message", failure.message)).removeprefix("RuntimeError: ")
-        if failure.exitcode == EXIT_BAD_INPUT:  # the process's own one line, without its prefix
-            raise SpeedrunError(re.sub(r"^speedrun: (rank \d+: )?error: ", f"rank {rank}: ", message)) from None
-        raise TrainingFailed(
-            f"rank {rank} (pid {failure.pid}) failed first with exit code {failure.exitcode}: {message}; "
-            "the other ranks were stopped"
-        ) from None
-    return 0
-
-
-def run_status(argv: list[str]) -> str | None:
-    """The status in results.json of the run `--out` names in argv, if there is one."""
-    from speedrun.rundir import run_status as status_of
-
-    if "--out" not in argv:
-        return None
-    return status_of(Path(argv[argv.index("--out") + 1]))
-
-
-def root_cause(failures: dict) -> tuple[int, object]:
-    """The failure that caused the others: a process that died on its own comes before one
-    stopped by torchrun (SIGTERM, or stopped at a step after it) or one that failed because a
-    peer vanished."""
-    from speedrun.engine import PEER_DIED
-
-    def collateral(item) -> bool:
-        _, f = item
-        return f.signal_name() == "SIGTERM" or f.exitcode in (130, EXIT_RESUMABLE) or PEER_DIED in str(f.message)
-
-    return min(failures.items(), key=lambda item: (collateral(item), item[1].timestamp))
-
-
-def strip_option(argv: list[str], name: str) -> list[str]:
-    """`argv` without `name VALUE` / `name=VALUE`."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == name:
-            skip = True
-        elif not a.startswith(name + "="):
-            out.append(a)
-    return out
 
 
 def cmd_recipes(args: argparse.Namespace) -> int:
@@ -388,8 +292,9 @@ def print_projection(console: Console, args: argparse.Namespace) -> int:
                      "eval min": f"{p.eval_s / 60:.1f}", "projected min": f"{p.total_s / 60:.1f}",
                      "2018 record min (V100s)": f"{record:.1f}" if record else "-"})
     print_table(console, rows, boxed=True)
-    console.print(f"MLPerf v4.0, 8 x H200 (NVIDIA; 75.9% top-1, a little easier than 93% top-5): {MLPERF_H200_MINUTES} min")
+    console.print("MLPerf v4.0, 8 x H200 (NVIDIA; 75.9% top-1, a little easier than 93% top-5): "
+                  f"{MLPERF_H200_MINUTES} min")
     return 0
 
 
-__all__ = ["register", "RecipeError"]
+__all__ = ["register"]

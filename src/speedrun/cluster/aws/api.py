@@ -1,4 +1,5 @@
-"""Talking to AWS: boto3 (an optional dependency), and every botocore failure as one line.
+"""Talking to AWS: boto3 (an optional dependency), a region's clients (`Session`), and every
+botocore failure as one line.
 
 `aws_errors(what)` is the one place where botocore's exceptions become messages. Each names the
 API call that failed (DescribeInstances...) and what speedrun was doing, and says whose the
@@ -14,7 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Iterator
+import time
+from typing import Any, Callable, Iterator
 
 from speedrun.errors import EXIT_FAILED, SpeedrunError
 
@@ -115,3 +117,36 @@ def aws_errors(what: str) -> Iterator[None]:
 def call_name() -> str:
     """The API call this thread made last, for a message."""
     return getattr(_last, "call", None) or "the AWS API"
+
+
+# --- a region's clients, and waiting where AWS has no waiter ---
+class Session:
+    """The EC2 and EFS clients of one region (and its zones, which every launch needs)."""
+
+    def __init__(self, region: str | None):
+        boto3 = boto3_module()
+        from botocore.config import Config
+        with aws_errors("read the AWS configuration"):  # an unknown AWS_PROFILE, a bad region...
+            session = boto3.Session()
+            self.region = region or session.region_name or "us-east-1"
+            if session.get_credentials() is None:
+                raise SpeedrunError(NO_CREDENTIALS)
+            config = Config(retries={"mode": "standard", "max_attempts": 4})
+            self.ec2 = track_calls(session.client("ec2", region_name=self.region, config=config))
+            self.efs = track_calls(session.client("efs", region_name=self.region, config=config))
+
+    def zones(self) -> list[str]:
+        """The region's availability zones, in name order (which fixes each one's subnet range)."""
+        with aws_errors(f"list the zones of {self.region}"):
+            zones = self.ec2.describe_availability_zones(
+                Filters=[{"Name": "zone-type", "Values": ["availability-zone"]}])["AvailabilityZones"]
+        return sorted(z["ZoneName"] for z in zones)
+
+
+def wait_until(ready: Callable[[], bool], timeout: float, what: str, every: float = 3.0) -> None:
+    """Poll `ready` until it holds (AWS has no waiter for this), at most timeout seconds."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if time.monotonic() > deadline:  # AWS did not get there: not the user's doing
+            raise AWSFailed(f"gave up after {timeout:g} s waiting for {what}")
+        time.sleep(every)
