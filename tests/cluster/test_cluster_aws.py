@@ -294,7 +294,9 @@ def test_launch_ls_logs_kill_down_from_the_command_line(aws, job_name, tmp_path,
         (job_name, str(i), f"root@{inst['PrivateIpAddress']}", "succeeded") for i, inst in enumerate(instances)]
     assert any(ln.startswith(job_name) and "c5.large" in ln and "on-demand" in ln for ln in out[3:])
     assert main(["logs", job_name, "1"]) == 0
-    assert capsys.readouterr().out.strip().endswith("rank 1 of 2: sum 3")
+    # The program's line, not necessarily the log's last: torchrun's agent on node 1 may log after
+    # it, when node 0's agent (the rendezvous store's host) has already exited.
+    assert "rank 1 of 2: sum 3" in capsys.readouterr().out.splitlines()
     assert main(["kill", job_name]) == 0
     assert len(live(job_instances(aws, job_name))) == 2  # kill ends the commands, not the machines
     assert main(["down", job_name]) == 0
