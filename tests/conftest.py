@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing.process
+import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +30,14 @@ FULL_TIER = ("slow", "netns", "aws")
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--full", action="store_true",
                      help="run every test, also those marked " + ", ".join(FULL_TIER) + " (scripts/test does)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # A suite started in the background by a non-interactive shell (`scripts/test &`, `nohup ... &`)
+    # has SIGINT ignored, and every process it starts would inherit that: the tests that press Ctrl-C
+    # on a run would watch it finish. Runs started by a terminal's user get SIGINT as usual.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def in_full_tier(item: pytest.Item) -> bool:

@@ -3,6 +3,7 @@ traceback. What a command refuses before it starts work is checked in this proce
 (`speedrun_here`); runs that train are real processes (the full tier)."""
 import json
 import os
+import signal
 
 import pytest
 from cli_run import one_line_error as assert_one_line_error
@@ -189,3 +190,11 @@ def test_a_spot_notice_url_that_is_not_one_is_one_line(tmp_path):
     r = speedrun_here(*TINY, "--spot-notice-url", "169.254.169.254", "--out", str(tmp_path / "x"))
     assert r.returncode == 2 and r.stderr.strip().startswith("speedrun: error: bad --spot-notice-url '169.254.169.254'")
     assert "\n" not in r.stderr.strip()
+
+
+def test_the_suite_lets_ctrl_c_reach_the_runs_it_starts():
+    """A suite started in the background by a non-interactive shell (`scripts/test &`, `nohup ... &`)
+    inherits SIGINT ignored, and so would every run it starts: the tests that press Ctrl-C on a run
+    (test_train, test_rundir, test_experiments) would watch it finish instead. conftest.py gives
+    SIGINT back its default."""
+    assert signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
