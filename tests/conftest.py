@@ -24,7 +24,7 @@ from cli_run import speedrun
 from fs_helpers import mount_tmpfs, require_root
 
 # A test with any of these markers runs only in the full suite (pyproject.toml describes each).
-FULL_TIER = ("slow", "netns", "aws")
+FULL_TIER = ("slow", "netns", "aws", "slurm")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
