@@ -14,13 +14,15 @@ results_complete() {
 }
 
 # run_step NAME SECONDS JSON LOG COMMAND...: COMMAND under `timeout` (SIGTERM after SECONDS, SIGKILL
-# 10 s later), its output to the terminal and to LOG. JSON is where it writes its results ("-": it
+# 10 s later), its output to the terminal and to LOG. With PYTHONFAULTHANDLER, a Python that dies of
+# a signal (issue 23 saw a SIGSEGV at exit once, never reproduced since) writes every thread's stack
+# to LOG first: what was still running. JSON is where it writes its results ("-": it
 # writes none). Returns 0 when COMMAND exited 0, else prints and records one line saying how it
 # ended and what became of its results, and returns 1.
 run_step() {
     local name=$1 seconds=$2 json=$3 log=$4
     shift 4
-    timeout -k 10 "$seconds" "$@" 2>&1 | tee "$log"
+    PYTHONFAULTHANDLER=1 timeout -k 10 "$seconds" "$@" 2>&1 | tee "$log"
     local rc=${PIPESTATUS[0]} how line
     [ "$rc" = 0 ] && return 0
     if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then  # 137: still alive 10 s after the SIGTERM

@@ -79,6 +79,10 @@ def test_a_step_that_dies_at_exit_after_writing_its_results_is_named_and_they_ar
     assert run.stderr.splitlines()[-1] == ("gpu_check: 1 step(s) did not end cleanly (above); "
                                            f"all logs and results are in {tmp_path}")
     assert json.loads(results.read_text()) == {"rows": [1], "complete": True}
+    # Its log holds what was running when it died: the Python stack of every thread (faulthandler).
+    log = (tmp_path / "x.txt").read_text()
+    assert "Fatal Python error: Segmentation fault" in log
+    assert "Current thread" in log or "Thread 0x" in log
 
 
 @pytest.mark.slow
