@@ -15,8 +15,7 @@ from speedrun.errors import EXIT_FAILED, SpeedrunError
 CLIENT_TIMEOUT_S = 60.0  # one client call; Slurm's own message timeout is 10 s, retried a few times
 # What Slurm's clients say when the controller (or the way to it) failed, not the request.
 UNREACHABLE = re.compile(r"Unable to contact slurm controller|Socket timed out|Connection refused|"
-                         r"Zero Bytes were transmitted|Communication connection failure|Munge|munge", re.I)
-
+                         r"Zero Bytes were transmitted|Communication connection failure|munge", re.I)
 _PREFIX = re.compile(r"^(?:sbatch|squeue|scontrol|scancel|sinfo|srun): (?:error: )?")  # the client's own
 
 

@@ -46,8 +46,8 @@ class SlurmConfig:
         warning to stop at a step and be requeued.
     account, qos, constraint: as sbatch takes them.
     sbatch_args: further sbatch options, verbatim (["--exclusive", "--mem=0"]).
-    signal_lead_s: seconds before the time limit (or a preemption's grace end) at which Slurm sends
-        the warning signal that stops the run with a checkpoint.
+    signal_lead_s: seconds before the time limit at which Slurm sends the warning signal that stops
+        the run with a checkpoint (Slurm sends it up to a minute early: docs/slurm.md).
     max_requeues: how many times a stopped run is requeued before the job is left stopped.
     """
 

@@ -30,9 +30,11 @@ def partitions() -> list[Partition]:
     out = run_client(["sinfo", "-h", "-s", "-o", "%P %F"], what="list the cluster's partitions")
     found = []
     for line in out.splitlines():
-        name, counts = line.split()
-        _, idle, _, total = (int(n) for n in counts.split("/"))  # allocated/idle/other/total
-        found.append(Partition(name.rstrip("*"), name.endswith("*"), total, idle))
+        fields = line.split()
+        counts = fields[1].split("/") if len(fields) == 2 else []  # allocated/idle/other/total
+        if len(counts) == 4 and all(c.isdigit() for c in counts):
+            name = fields[0]
+            found.append(Partition(name.rstrip("*"), name.endswith("*"), int(counts[3]), int(counts[1])))
     return found
 
 
