@@ -22,7 +22,6 @@ class Partition:
     name: str
     default: bool
     nodes: int  # all of them, whatever their state
-    idle: int
 
 
 def partitions() -> list[Partition]:
@@ -34,7 +33,7 @@ def partitions() -> list[Partition]:
         counts = fields[1].split("/") if len(fields) == 2 else []  # allocated/idle/other/total
         if len(counts) == 4 and all(c.isdigit() for c in counts):
             name = fields[0]
-            found.append(Partition(name.rstrip("*"), name.endswith("*"), int(counts[3]), int(counts[1])))
+            found.append(Partition(name.rstrip("*"), name.endswith("*"), int(counts[3])))
     return found
 
 
