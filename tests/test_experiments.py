@@ -129,7 +129,12 @@ def test_ablate_runs_every_variant_with_two_seeds_and_an_interrupted_one_finishe
     runs = [(v, s) for s in range(2) for v in (FULL, "warmup", "zero-init")]
     # Ctrl-C (SIGINT to the whole foreground group, as a terminal sends it) during the fourth run.
     proc = start(*argv, start_new_session=True, env=WIDE)
-    wait_for(lambda: (out / "full/seed1").is_dir(), 300, "the fourth run to start")
+    try:  # three whole runs first: on a loaded 2-core machine they took over 300 s
+        wait_for(lambda: (out / "full/seed1").is_dir(), 900, "the fourth run to start")
+    except AssertionError:
+        os.killpg(proc.pid, signal.SIGINT)  # it stops its run too: nothing left training beside later tests
+        proc.communicate(timeout=120)
+        raise
     done_before = {r for r in runs if (out / r[0] / f"seed{r[1]}/results.json").is_file()
                    and results(out / r[0] / f"seed{r[1]}")["status"] in ("finished", "target_reached")}
     os.killpg(proc.pid, signal.SIGINT)
