@@ -194,3 +194,22 @@ def test_a_sigterm_while_the_run_cleans_up_does_not_lose_its_results(tmp_path, m
                      "--device", "cpu", "--out", str(out)])
     assert code == 0  # the run had finished every epoch: that is its outcome
     assert json.loads((out / "results.json").read_text())["status"] == "finished"
+
+
+def test_a_second_sigterm_soon_after_the_first_is_the_same_request_and_a_later_one_interrupts(tmp_path, monkeypatch):
+    """The SIGTERM handler itself (what the run above relies on): within DUPLICATE_S of the first,
+    a SIGTERM changes nothing; later, it interrupts at once as Ctrl-C does."""
+    import types
+
+    from speedrun import stopping
+
+    clock = [100.0]
+    monkeypatch.setattr(stopping.time, "monotonic", lambda: clock[0])
+    requests = stopping.StopRequests(types.SimpleNamespace(world_size=1), tmp_path, None)
+    requests._on_sigterm(signal.SIGTERM, None)
+    clock[0] += stopping.DUPLICATE_S / 2
+    requests._on_sigterm(signal.SIGTERM, None)  # torchrun's copy of the scheduler's: no exception
+    assert requests.agreed() and requests.reason == "SIGTERM"
+    clock[0] += stopping.DUPLICATE_S
+    with pytest.raises(KeyboardInterrupt, match="second SIGTERM"):
+        requests._on_sigterm(signal.SIGTERM, None)

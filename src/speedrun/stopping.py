@@ -3,7 +3,9 @@
 Three things ask a run to stop:
 
 - SIGTERM (what a scheduler, torchrun's agent or `kill` sends first). A second SIGTERM does not
-  wait: it interrupts at once, as Ctrl-C does.
+  wait: it interrupts at once, as Ctrl-C does; but one within DUPLICATE_S of the first is the same
+  request delivered twice (Slurm signals every process of a job, and torchrun's agent forwards its
+  own copy to the workers), which must not cost the checkpoint of the step.
 - A spot interruption notice: a thread polls the instance metadata endpoint's
   `spot/instance-action` every 5 s (`notice_url`; AWS gives two minutes between the notice and
   the end). Off unless a URL is given (`--spot-notice-url`, or SPEEDRUN_SPOT_NOTICE_URL, which
@@ -23,6 +25,7 @@ from __future__ import annotations
 import json
 import signal
 import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -37,6 +40,7 @@ if TYPE_CHECKING:
 # `speedrun --help` should not pay for importing torch.
 
 POLL_S = 5.0  # how often the notice URL is asked, seconds (AWS's advice)
+DUPLICATE_S = 2.0  # a SIGTERM this soon after the first is the same request, seconds
 STOP_FILE = "stop"
 
 # Why a run stops, as the integer the ranks agree on (the largest wins).
@@ -53,7 +57,7 @@ class StopRequests:
     def __init__(self, ctx: DistContext, run_dir: Path, notice_url: str | None):
         self.ctx, self.stop_file, self.notice_url = ctx, run_dir / STOP_FILE, notice_url
         self.code = 0  # this rank's request (0: none)
-        self.sigterm = False  # SIGTERM came: stop without asking the others
+        self.sigterm: float | None = None  # when SIGTERM came (time.monotonic()): stop without asking the others
         self.notice: str | None = None  # the notice's text, when one came
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
@@ -85,9 +89,11 @@ class StopRequests:
         self.code = max(self.code, code)
 
     def _on_sigterm(self, signum, frame) -> None:
-        if self.sigterm:  # asked twice: do not wait for the step to end
+        now = time.monotonic()
+        if self.sigterm is not None and now - self.sigterm >= DUPLICATE_S:  # asked again: do not wait for the step
             raise KeyboardInterrupt("stopped by a second SIGTERM")
-        self.sigterm = True
+        if self.sigterm is None:
+            self.sigterm = now
         self.request(SIGNAL)
 
     def _poll(self) -> None:
@@ -106,7 +112,7 @@ class StopRequests:
     def agreed(self) -> bool:
         """Whether to stop after this step (called after each step, on every rank): at once on
         SIGTERM; otherwise when any rank has a request."""
-        if self.sigterm:
+        if self.sigterm is not None:
             return True
         code = self.code
         if self.ctx.world_size > 1:
@@ -122,7 +128,7 @@ class StopRequests:
     def barrier(self) -> None:
         """Wait until every rank gets here (on the control group); not after SIGTERM, when a rank
         may be gone."""
-        if self.ctx.world_size > 1 and not self.sigterm:
+        if self.ctx.world_size > 1 and self.sigterm is None:
             import torch.distributed as dist
             dist.barrier(group=self._group)
 
