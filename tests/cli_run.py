@@ -56,3 +56,30 @@ def wait_for(predicate, timeout_s: float, what: str):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
         time.sleep(0.05)
+
+
+def in_terminal(argv: list[str]) -> tuple[int, int]:
+    """Start argv in a terminal of its own (a pty), as a person at a keyboard would: its pid and the
+    terminal's file descriptor, for `terminal_exit`."""
+    import os
+    import pty
+
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.environ.pop("TMUX", None)  # attach must work from inside someone's tmux too
+        os.execvp(argv[0], argv)
+    return pid, fd
+
+
+def terminal_exit(pid: int, fd: int) -> int:
+    """Read the terminal until the program in it exits; its exit status."""
+    import os
+
+    while True:
+        try:
+            if not os.read(fd, 65536):
+                break
+        except OSError:  # the terminal closed
+            break
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)

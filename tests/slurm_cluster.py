@@ -64,9 +64,12 @@ class SlurmCluster:
     """
 
     def __init__(self, nodes: int = 3, workdir: str | os.PathLike | None = None, partition: str = "debug",
-                 cpus_per_node: int = 1, slurmd_timeout_s: int = 10):
+                 cpus_per_node: int = 1, slurmd_timeout_s: int = 10, cred_expire_s: int = 10):
         self.num_nodes, self.partition, self.cpus_per_node = nodes, partition, cpus_per_node
         self.slurmd_timeout_s = slurmd_timeout_s
+        # Slurm holds a requeued job for its credentials' lifetime (120 s by default): short here,
+        # so that the requeue tests wait seconds, not minutes, for the job to start again.
+        self.cred_expire_s = cred_expire_s
         self._own_workdir = workdir is None
         self.dir = Path(workdir or tempfile.mkdtemp(prefix="speedrun-slurm-"))
         self.netns = NetnsCluster(nodes + 1, workdir=self.dir / "netns")
@@ -177,7 +180,7 @@ ClusterName=speedrun-test
 SlurmctldHost={socket.gethostname()}({controller.address})
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={self._munge_socket}
+AuthInfo=socket={self._munge_socket},cred_expire={self.cred_expire_s}
 SlurmUser=root
 SlurmdUser=root
 StateSaveLocation={d}/state

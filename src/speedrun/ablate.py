@@ -218,29 +218,20 @@ def _run_each(out: Path, plan: Plan, todo: list[tuple[str, int]], say: Callable[
 
 
 def run_on_job(job, out: str, plan: Plan, say: Callable[[str], None] = print) -> None:
-    """Every run the ablation lacks, spread over the job's tasks (each runs its share one after
-    another, all tasks at once), in `out` under the job's run directory; returns when all end."""
+    """Every run the ablation lacks, on the job's machines at once (`job.run_each`: each task runs
+    its share one after another; on Slurm, a job array), in `out` under the job's run directory;
+    returns when all have ended."""
     remote = posixpath.join(job.run_dir, out)
     for rel, text in plan_files(plan).items():
         job.write(f"{remote}/{rel}", text)
-    shares: list[list[tuple[str, int]]] = [[] for _ in job.tasks]
-    for k, run in enumerate(plan.runs()):
-        shares[k % len(job.tasks)].append(run)
     commands = []
-    for task, share in zip(job.tasks, shares):
-        if not share:
-            continue
+    for variant, seed in plan.runs():
         # In the shell: skip a finished run, resume one with a checkpoint, go on after a failure.
-        lines = [f"cd {shlex.quote(task.path(remote))}"]
-        for variant, seed in share:
-            d = f"{variant}/seed{seed}"
-            fresh, again = (shlex.join(train_argv(plan, variant, seed, r, job.python)) for r in (False, True))
-            lines.append(f"if grep -qE '\"status\": \"({'|'.join(FINISHED)})\"' {d}/results.json 2>/dev/null; then :; "
-                         f"elif [ -f {d}/checkpoint.pt ]; then {again}; else {fresh}; fi")
-        commands.append(task.run("\n".join(lines), background=True, name="ablate"))
-        say(f"task {task.index}: {len(share)} runs")
-    for command in commands:
-        command.wait(check=False)
+        d = f"{variant}/seed{seed}"
+        fresh, again = (shlex.join(train_argv(plan, variant, seed, r, job.python)) for r in (False, True))
+        commands.append(f"if grep -qE '\"status\": \"({'|'.join(FINISHED)})\"' {d}/results.json 2>/dev/null; "
+                        f"then :; elif [ -f {d}/checkpoint.pt ]; then {again}; else {fresh}; fi")
+    job.run_each(commands, name="ablate", cwd=remote, say=say)
 
 
 @dataclass

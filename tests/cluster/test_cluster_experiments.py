@@ -18,7 +18,7 @@ def test_ablate_on_a_job_then_compare_the_job(local_job, tmp_path):
     proc = speedrun("ablate", "tiny", "--only", "warmup", "--seeds", "2", "--epochs", "2", "--target", "top1=0.3",
                     "--job", job.name, env=WIDE)
     assert proc.returncode == 0, proc.stderr
-    assert "task 0: 2 runs" in proc.stdout and "task 1: 2 runs" in proc.stdout  # shared between the tasks
+    assert "task 0: 2 commands" in proc.stdout and "task 1: 2 commands" in proc.stdout  # shared between the tasks
     # The runs were made on the job's host, in its run directory.
     remote = job[0].path(job.run_dir)
     for variant in ("full", "warmup"):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import shlex
 import signal
 import site
 import subprocess
@@ -181,3 +182,24 @@ def test_ls_quotes_the_reason_a_task_ended_not_noise(local_job, job_name, capsys
     assert (first.startswith(f"{job_name}: task 0 failed (exit 1): ")
             and first.endswith("nosuchprogram: command not found"))
     assert second == "task 1 killed"
+
+
+STOPPED = ("stopped at step 441, 9 steps into epoch 19 on a stop request (the run directory's `stop` file); "
+           "the checkpoint holds this step: continue with --resume --out /r")
+# What torchrun prints after a worker exits 75 (a run stopped at a step), then exiting 1 itself.
+TORCHRUN_AFTER_A_STOP = """torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+Root Cause (first observed failure):
+[0]:
+  exitcode  : 75 (pid: 29763)
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+============================================================"""
+
+
+def test_ls_says_a_run_stopped_at_a_step_not_what_torchrun_printed_after_it(local_job, job_name, capsys):
+    job = local_job(num_tasks=1)
+    command = job[0].run(f"echo {shlex.quote(STOPPED)}; echo {shlex.quote(TORCHRUN_AFTER_A_STOP)}; exit 1",
+                         background=True, name="train")
+    command.wait(timeout=60, check=False)
+    assert ls_reason(job_name, capsys) == f"{job_name}: task 0 failed (exit 1): {STOPPED}"

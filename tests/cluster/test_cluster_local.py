@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import io
 import os
-import pty
 import subprocess
 import threading
 from pathlib import Path
@@ -11,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from speedrun.cluster import CommandFailed, SSHOptions, make_job
-from cli_run import wait_for
+from cli_run import in_terminal, terminal_exit, wait_for
 from speedrun.errors import SpeedrunError
 
 pytestmark = pytest.mark.slow  # real tmux sessions and processes
@@ -304,24 +303,13 @@ def test_logs_follow_streams_until_the_command_ends(local_job, tmp_path):
 def attached_window(task, window: str | None) -> str:
     """Attach to the task in a terminal of its own, as a person at a keyboard would; the window the
     client lands in (then it detaches)."""
-    argv = task.attach_argv(window)
-    pid, fd = pty.fork()
-    if pid == 0:
-        os.environ.pop("TMUX", None)
-        os.execvp(argv[0], argv)
+    pid, fd = in_terminal(task.attach_argv(window))
     try:
         clients = wait_for(lambda: tmux("list-clients", "-t", f"={task.session}",
                                           "-F", "#{client_session} #{window_name}").stdout.split(), 30,
                              "the attached client")
         tmux("detach-client", "-s", f"={task.session}")
-        while True:  # drain the terminal until the client exits
-            try:
-                if not os.read(fd, 65536):
-                    break
-            except OSError:
-                break
-        _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0
+        assert terminal_exit(pid, fd) == 0
         assert clients[0] == task.session
         return clients[1]
     finally:

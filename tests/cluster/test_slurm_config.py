@@ -1,9 +1,13 @@
 """The Slurm provider's settings, in this process: Slurm's time-limit formats and SlurmConfig's
-refusals, each one line; the sbatch options a config asks for; Slurm's messages as one line."""
+refusals, each one line; the sbatch options a config asks for; Slurm's messages and a job's state as
+one line; the provider's record."""
+import json
+
 import pytest
 
 from speedrun.cluster.slurm.api import slurm_message
 from speedrun.cluster.slurm.config import SlurmConfig, parse_time_limit
+from speedrun.cluster.slurm.queue import SlurmJobState
 from speedrun.errors import SpeedrunError
 
 
@@ -46,3 +50,33 @@ def test_slurm_messages_become_one_line_without_the_program_prefix():
                          "allocation failure: Invalid partition name specified\n") == (
         "invalid partition specified: x; allocation failure: Invalid partition name specified")
     assert slurm_message("") == "no message"
+
+
+def test_the_provider_comes_back_from_its_record_and_refuses_what_does_not_apply():
+    from speedrun.cluster.providers import make_provider, provider_from_record
+
+    provider = make_provider("slurm", "j", options={"partition": "gpu", "sbatch_args": ["--exclusive"],
+                                                    "time": "1:00:00"})
+    again = provider_from_record(json.loads(json.dumps(provider.record())))
+    assert again.config == provider.config and again.config.sbatch_args == ("--exclusive",)
+    with pytest.raises(SpeedrunError, match="^hosts were given for the slurm provider: Slurm chooses the nodes"):
+        make_provider("slurm", "j", hosts=["a"])
+    with pytest.raises(SpeedrunError, match=r"^partition does not apply to the ssh provider: it is an option of "
+                                            r"provider='slurm' \(--provider slurm\)"):
+        make_provider("ssh", "j", hosts=["a"], options={"partition": "gpu"})
+    with pytest.raises(SpeedrunError, match="^unknown option instance for the slurm provider"):
+        make_provider("slurm", "j", options={"instance": "x"})
+
+
+@pytest.mark.parametrize("state, line", [
+    (SlurmJobState("7", "PENDING", "Resources", 0, 0, 0, ""), "slurm job 7: PENDING (Resources)"),
+    (SlurmJobState("7", "RUNNING", "None", 0, 0, 1, "node[1-2]"),
+     "slurm job 7: RUNNING on node[1-2], requeued 1 time"),
+    (SlurmJobState("7", "FAILED", "NonZeroExitCode", 1, 0, 3, "node[1-2]"),
+     "slurm job 7: FAILED, exit 1, requeued 3 times"),
+    (SlurmJobState("7", "CANCELLED", "None", 0, 15, 0, "node1"), "slurm job 7: CANCELLED, exit 0 (signal 15)"),
+    (SlurmJobState("7", "COMPLETED", "None", 0, 0, 0, "node1"), "slurm job 7: COMPLETED"),
+])
+def test_slurms_state_of_a_job_is_one_line(state, line):
+    assert state.describe() == line
+

@@ -10,12 +10,14 @@ Modules, from the bottom up: hosts (Host, LocalHost) and ssh (SSHHost) run scrip
 tmux writes the scripts that run commands in tmux windows; task (Task, Command), utils (parallel)
 and job (Job) build on them; probe looks at a task's host, lifecycle makes a job (make_job),
 reopen finds it again (open_job); provider says what a provider is, providers lists them (local,
-ssh, and the aws package: EC2 instances speedrun starts itself); registry keeps job records;
+ssh, the aws package: EC2 instances speedrun starts itself, and the slurm package: a Slurm
+cluster's nodes, one Slurm job per job); registry keeps job records;
 tensorboard serves a run's events; recovery keeps a job going when it loses machines, controller
 runs that watcher on another host and watcher stops it; cli (with aws/cli.py) is `speedrun launch |
 ls | attach | logs | kill | down | tb`. The wing imports nothing of the trainer's: only
 speedrun.errors, speedrun.files and speedrun.spot. Tests and benchmarks make hosts out of network
-namespaces (tests/netns.py) and emulate AWS with moto (tests/aws_server.py).
+namespaces (tests/netns.py), emulate AWS with moto (tests/aws_server.py) and build a real Slurm
+cluster (tests/slurm_cluster.py).
 """
 from speedrun.cluster.hosts import Host, LocalHost
 from speedrun.cluster.job import Job, TaskStatus

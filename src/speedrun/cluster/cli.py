@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from speedrun.cluster.aws.cli import AWS_OPTIONS, DOWN_REFUSED, add_aws_options, down_all, is_aws_secret
+from speedrun.cluster.slurm.cli import add_slurm_options, slurm_options
 from speedrun.errors import EXIT_BAD_INPUT, EXIT_FAILED, SpeedrunError, stop_on_sigterm
 
 if TYPE_CHECKING:  # annotations only: the commands import the cluster modules when they run
@@ -93,11 +94,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def add_launch_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--provider", choices=["local", "ssh", "aws"], default=None,
+    p.add_argument("--provider", choices=["local", "ssh", "aws", "slurm"], default=None,
                    help="where tasks run (default: ssh when --hosts is given, else local)")
     p.add_argument("--hosts", default="", help="comma-separated user@host[:port] for the ssh provider")
-    p.add_argument("-n", "--tasks", type=int, default=None, help="number of tasks (default: one per host, or 1)")
-    p.add_argument("--nproc-per-node", type=int, default=1, help="processes per task (default 1)")
+    p.add_argument("-n", "--tasks", type=int, default=None,
+                   help="number of tasks: hosts, instances or Slurm nodes (default: one per host, or 1)")
+    p.add_argument("--nproc-per-node", type=int, default=None,
+                   help="processes per task (default 1; slurm: --gpus-per-node when given)")
     p.add_argument("--run-root", default=None,
                    help="where run directories go; shared storage for several hosts (default: EFS for aws, else runs)")
     p.add_argument("--run-name", default="run", help="run directories are <run-root>/<job>/<run-name>.<NN>")
@@ -131,6 +134,7 @@ def add_launch_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--accept-new-host-keys", action="store_true",
                    help="trust and pin the key of a host seen for the first time (host keys are checked strictly)")
     add_aws_options(p)
+    add_slurm_options(p)
 
 
 def show_progress() -> None:
@@ -175,7 +179,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
     join_timeout_s = JOIN_TIMEOUT_S if args.join_timeout is None else check_join_timeout(args.join_timeout,
                                                                                          "--join-timeout")
     # What job.launch would refuse, refused before make_job makes the sessions, run directory and record.
-    check_nproc_per_node(args.nproc_per_node, "--nproc-per-node")
+    if args.nproc_per_node is not None:
+        check_nproc_per_node(args.nproc_per_node, "--nproc-per-node")
     check_name(args.window, "--window")
     if args.watcher_host is not None and not args.recover:
         raise SpeedrunError("--watcher-host needs --recover (it says where the recovering watcher runs)")
@@ -189,6 +194,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
                             f"a credentials file on it)")
     hosts = [h for h in args.hosts.split(",") if h.strip()]
     provider = args.provider or ("ssh" if hosts else "local")
+    if provider == "slurm" and args.recover:
+        raise SpeedrunError("--recover is for ssh and aws jobs: a Slurm job requeues itself and resumes "
+                            "(--max-requeues, docs/slurm.md)")
     num_tasks = args.tasks if args.tasks is not None else (len(hosts) or 1)
     env = parse_env(args.env, "--env")
     setup = None
@@ -198,7 +206,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         setup = args.setup.read_text()
     ssh_options = SSHOptions(known_hosts=args.known_hosts, identity_file=args.identity, ssh_config=args.ssh_config,
                              accept_new_host_keys=args.accept_new_host_keys)
-    options = {k: v for k in AWS_OPTIONS if (v := vars(args)[k]) is not None}
+    options = {k: v for k in AWS_OPTIONS if (v := vars(args)[k]) is not None} | slurm_options(args)
     prov = make_provider(provider, args.name, hosts, ssh_options if provider == "ssh" else None, None, options)
     if watcher_host is not None:
         prov.relocate("~")  # whether a watcher elsewhere can reach these machines: says so before anything starts
@@ -208,7 +216,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
     already = job.reconnected
     job.launch(argv, nproc_per_node=args.nproc_per_node, name=args.window, env=env, join_timeout_s=join_timeout_s)
     save_record(job)  # with the window launched, which ls and logs show by default
-    state = "reconnected (it was running; nothing started)" if already else "started"
+    scheduled = job.scheduler_line()  # a job a scheduler runs (Slurm) is submitted, not started
+    state = "reconnected (it was running; nothing started)" if already else (
+        f"submitted ({scheduled})" if scheduled else "started")
     print(f"job {job.name}: {len(job)} task(s), run dir {job.run_dir}: {state}")
     print(f"  logs:   speedrun logs {job.name} -f\n  attach: speedrun attach {job.name} [TASK]\n"
           f"  stop:   speedrun kill {job.name}")
@@ -308,6 +318,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
         line = summary(states)
         if line:
             why.append(f"{rec.name}: {line}")
+        scheduler = job.scheduler_line()
+        if scheduler:
+            why.append(f"{rec.name}: {scheduler}")
         why += [f"{rec.name} task {st.index}: {st.error}" for st in states if st.error]
         b = job.provider.billing()
         if b is not None:
@@ -413,8 +426,8 @@ def cmd_down(args: argparse.Namespace) -> int:
     if not released:
         job.kill()  # machines that are not speedrun's stay; the job's sessions on them end
     registry.forget(job.name)
-    print(f"job {job.name} is down: " + (f"terminated {', '.join(released)}" if released else "sessions killed") +
-          f"; its run directory was {job.run_dir}")
+    how = f"terminated {', '.join(released)}" if released else "its commands were stopped"
+    print(f"job {job.name} is down: {how}; its run directory was {job.run_dir}")
     return 0
 
 

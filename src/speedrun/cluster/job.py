@@ -20,7 +20,7 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence, TextIO
+from typing import Any, Callable, Iterator, Mapping, Sequence, TextIO
 
 from speedrun.cluster import tmux
 from speedrun.cluster.hosts import HostLost, HostUnreachable
@@ -43,15 +43,19 @@ DEFAULT_SYNC_EXCLUDE = (".git", "data", "runs", "__pycache__", "*.egg-info", ".v
 JOIN_TIMEOUT_S = 120.0
 
 
+def interface_script(address: str) -> str:
+    """Bash that sets `dev` to the network interface holding `address` (a bash word: a quoted
+    address or "$VAR") or that the host routes it through; empty when `ip` cannot tell."""
+    return f"""m={address}
+dev=$(ip -o -4 addr show 2>/dev/null | awk -v m="$m" '{{split($4, a, "/"); if (a[1] == m) {{print $2; exit}}}}')
+[ -n "$dev" ] || dev=$(ip -o route get "$m" 2>/dev/null | sed -n 's/.* dev \\([^ ]*\\).*/\\1/p')
+"""
+
+
 def interface_towards(task: Task, address: str) -> str | None:
     """The network interface on the task's host that holds `address` (on task 0 itself) or that
     the host routes `address` through; None when `ip` cannot tell."""
-    script = f"""m={shlex.quote(address)}
-dev=$(ip -o -4 addr show 2>/dev/null | awk -v m="$m" '{{split($4, a, "/"); if (a[1] == m) {{print $2; exit}}}}')
-[ -n "$dev" ] || dev=$(ip -o route get "$m" 2>/dev/null | sed -n 's/.* dev \\([^ ]*\\).*/\\1/p')
-echo "$dev"
-"""
-    r = task.host.shell(script)
+    r = task.host.shell(interface_script(shlex.quote(address)) + 'echo "$dev"\n')
     device = r.text.strip()
     return device if r.returncode == 0 and device and device != "lo" else None
 
@@ -85,7 +89,9 @@ class TaskStatus:
 
     index: int
     host: str
-    state: str  # running, succeeded, failed (N), killed, lost, idle (session, nothing launched), stopped, unreachable
+    # running, succeeded, failed (N), killed, lost, idle (session, nothing launched), stopped, unreachable;
+    # on Slurm also pending (queued or requeued) and starting (its node runs the batch script)
+    state: str
     uptime_s: float | None  # age of the task's tmux session, seconds
     log: str | None
     error: str | None = None  # why it is unreachable
@@ -95,10 +101,12 @@ class TaskStatus:
 
 STOPPED_BY = "stopped by speedrun"  # how a command that the job layer stopped is said to have ended
 
-# In a failed command's log, the lines that say why, best first: speedrun's own one line; Python's
+# In a failed command's log, the lines that say why, best first: speedrun's own one line; the
+# trainer's line for a run stopped at a step (exit 75: torchrun then exits 1); Python's
 # (`python3: No module named x`); an error with its message (torchrun's ChildFailedError has none);
 # torchrun's note of a worker ended by a signal.
-REASON_PATTERNS = (re.compile(r"^speedrun: \S"), re.compile(r"^\S*python[\d.]*: \S"),
+REASON_PATTERNS = (re.compile(r"^speedrun: \S"), re.compile(r"^stopped at step \d+"),
+                   re.compile(r"^\S*python[\d.]*: \S"),
                    re.compile(r"\b\w*(Error|Exception)\b: \S"), re.compile(r"\bSignal \d+ \(SIG\w+\) received"))
 REASON_CHARS = 200  # a reason longer than this is cut
 # Lines that never say why: c10d's warning that a peer's address has no host name (a reverse
@@ -171,7 +179,8 @@ def summary(states: Sequence[TaskStatus]) -> str | None:
     nothing launched."""
     def order(s: TaskStatus) -> tuple:
         return bool(s.why and s.why.startswith(STOPPED_BY)), s.ended is None, s.ended or 0.0, s.index
-    ended = sorted((s for s in states if s.state not in ("running", "succeeded", "idle", "stopped", "unreachable")),
+    ended = sorted((s for s in states if s.state not in ("running", "succeeded", "idle", "stopped", "unreachable",
+                                                         "pending", "starting")),
                    key=order)
     if not ended:
         return None
@@ -232,7 +241,7 @@ class Job:
         return list(seen.values())
 
     # --- distributed training ---
-    def launch(self, command: str | Sequence[str], *, nproc_per_node: int = 1, name: str = "train",
+    def launch(self, command: str | Sequence[str], *, nproc_per_node: int | None = None, name: str = "train",
                env: Mapping[str, str] | None = None, restart: bool = False,
                join_timeout_s: float = JOIN_TIMEOUT_S) -> list[Command]:
         """Start one torchrun per task: `torchrun --nnodes N --node-rank i --nproc-per-node P
@@ -250,7 +259,7 @@ class Job:
         Returns one Command per task.
         """
         check_name(name)
-        check_nproc_per_node(nproc_per_node, "nproc_per_node")
+        nproc_per_node = check_nproc_per_node(1 if nproc_per_node is None else nproc_per_node, "nproc_per_node")
         check_join_timeout(join_timeout_s, "join_timeout_s")
         text = command if isinstance(command, str) else shlex.join(command)
         # Also when reconnecting: a watcher started again with the same command takes over.
@@ -289,6 +298,21 @@ class Job:
             return t.run(torchrun, background=True, name=name, env={**variables, **(env or {})})
 
         return parallel(start, self.tasks)
+
+    def run_each(self, commands: Sequence[str], *, name: str, cwd: str,
+                 say: Callable[[str], None] = log.info) -> None:
+        """Run independent commands (shell text each) on the job's tasks at once, in `cwd`: task i
+        runs commands i, i + N, i + 2N... one after another, going on after a failure, in a window
+        called `name`. Says how they were spread, and returns when all have ended."""
+        shares = [list(commands[i::len(self.tasks)]) for i in range(len(self.tasks))]
+        started = []
+        for t, share in zip(self.tasks, shares):
+            if share:
+                started.append(t.run("\n".join([f"cd {shlex.quote(t.path(cwd))}", *share]), background=True,
+                                     name=name))
+                say(f"task {t.index}: {len(share)} commands")
+        for command in started:
+            command.wait(check=False)
 
     def free_port(self) -> int:
         """A TCP port free on task 0's host: the OS picks it (bind to port 0 on all addresses)."""
@@ -452,6 +476,11 @@ class Job:
         parallel(one, list(zip(chosen, commands)))
         return [f"task {t.index} ({t.host.name}) is unreachable: {c}" for t, c in zip(chosen, commands)
                 if isinstance(c, SpeedrunError)]
+
+    def scheduler_line(self) -> str | None:
+        """What the scheduler running the job says of it, one line for `ls` (Slurm's state); None
+        for jobs no scheduler runs."""
+        return None
 
     def attach(self, task: int = 0, window: str | None = None) -> int:
         """Attach this terminal to a task's tmux session (Ctrl-b d detaches); the exit status."""

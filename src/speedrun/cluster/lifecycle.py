@@ -29,7 +29,8 @@ from speedrun.cluster.job import DEFAULT_SYNC_EXCLUDE, HostSetup, Job
 from speedrun.cluster.probe import TaskProbe, probe_task, resolve
 from speedrun.cluster.provider import Provider
 from speedrun.cluster.providers import make_provider
-from speedrun.cluster.reopen import recorded
+from speedrun.cluster.slurm import SlurmProvider
+from speedrun.cluster.slurm.job import make_slurm_job
 from speedrun.cluster.ssh import SSHOptions
 from speedrun.cluster.task import CommandFailed, Task, check_name, tmux_message
 from speedrun.cluster.utils import parallel
@@ -48,7 +49,9 @@ def make_job(name: str, num_tasks: int = 1, *, provider: str | Provider = "local
     """Get num_tasks hosts and a run directory for job `name`, or reconnect to it if it is running.
 
     provider: "local" (this machine), "ssh" (then `hosts`: ["user@host:port", ...]), "aws" (instances
-        speedrun starts; `options` are AWSConfig's: instance_type, spot, region, ...), or a Provider.
+        speedrun starts; `options` are AWSConfig's: instance_type, spot, region, ...), "slurm" (num_tasks
+        nodes of a Slurm cluster, one Slurm job submitted by launch; `options` are SlurmConfig's:
+        partition, gpus_per_node, time, ...; see docs/slurm.md), or a Provider.
     run_root: where run directories go, `<run_root>/<name>/<run_name>.<NN>`; for several hosts, a path
         they all see (NFS, EFS...). Relative: from the current directory (local) or the home (ssh).
         None: the provider's shared storage (aws: <efs_mount>/runs), else "runs".
@@ -75,6 +78,11 @@ def make_job(name: str, num_tasks: int = 1, *, provider: str | Provider = "local
     if sync is not None and not Path(sync).is_dir():
         raise SpeedrunError(f"sync directory {sync} does not exist")
     prov = make_provider(provider, name, hosts, ssh, config_dir, options)
+    if isinstance(prov, SlurmProvider):  # one Slurm job, submitted by launch: no sessions to make or find
+        job = make_slurm_job(name, num_tasks, prov, run_root=run_root, run_name=run_name, restart=restart,
+                             python=python, setup=setup, sync=sync, config_dir=config_dir)
+        save_record(job, config_dir)
+        return job
     hosts_ = prov.hosts(num_tasks)
     run_root = run_root or prov.run_root or "runs"
     hs = HostSetup(tmux_socket, host_dir, Path(sync).resolve() if sync is not None else None, tuple(sync_exclude),
@@ -144,7 +152,7 @@ def start_tasks(tasks: Sequence[Task], job: str, hs: HostSetup, setup_hashes: Se
 def save_record(job: Job, config_dir: str | os.PathLike | None = None) -> None:
     """Record the job (again, after a host was replaced) so that the CLI finds it."""
     hs = job.host_setup
-    old = recorded(job.name, config_dir)  # the same run keeps its watcher elsewhere (controller.py)
+    old = registry.recorded(job.name, config_dir)  # the same run keeps its watcher elsewhere (controller.py)
     registry.save(registry.JobRecord(
         name=job.name, num_tasks=len(job), provider=job.provider.record(), run_dir=job.run_dir,
         cwd=None if hs is None or hs.sync is None else posixpath.join(hs.host_dir.rstrip("/"), "code", job.name),

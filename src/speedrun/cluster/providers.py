@@ -3,6 +3,7 @@
     local  this machine, every task a tmux session of its own
     ssh    given machines, `user@host[:port]`, one task per machine, through the OpenSSH client
     aws    EC2 instances speedrun starts itself (the aws package), reached as SSH hosts
+    slurm  a Slurm cluster's nodes, one Slurm job per speedrun job (the slurm package)
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from speedrun.cluster import registry
 from speedrun.cluster.aws import AWSConfig, AWSProvider
 from speedrun.cluster.hosts import Host, LocalHost
 from speedrun.cluster.provider import Provider
+from speedrun.cluster.slurm import SlurmConfig, SlurmProvider
 from speedrun.cluster.ssh import HostSpec, SSHHost, SSHOptions
 from speedrun.errors import SpeedrunError, one_line
 
@@ -144,8 +146,9 @@ def check_no_options(kind: str, options: Mapping[str, Any]) -> None:
     to provider='ssh', AWSConfig's to provider='aws'; any other is unknown."""
     if not options:
         return
-    owners = {**{k: "ssh" for k in SSH_OPTIONS}, **{f.name: "aws" for f in dataclasses.fields(AWSConfig)}}
-    for owner in ("ssh", "aws"):
+    owners = {**{k: "ssh" for k in SSH_OPTIONS}, **{f.name: "aws" for f in dataclasses.fields(AWSConfig)},
+              **{f.name: "slurm" for f in dataclasses.fields(SlurmConfig)}}
+    for owner in ("ssh", "aws", "slurm"):
         names = sorted(k for k in options if owners.get(k) == owner)
         if names:
             it = "it is an option" if len(names) == 1 else "they are options"
@@ -162,7 +165,7 @@ def _absolute(path: str | os.PathLike | None) -> Path | None:
 
 
 # kind -> Provider class: the one place a new provider is added.
-PROVIDERS: dict[str, type[Provider]] = {p.kind: p for p in (LocalProvider, SSHProvider, AWSProvider)}
+PROVIDERS: dict[str, type[Provider]] = {p.kind: p for p in (LocalProvider, SSHProvider, AWSProvider, SlurmProvider)}
 
 
 def make_provider(provider: str | Provider, job: str, hosts: Sequence[str] = (), ssh: SSHOptions | None = None,

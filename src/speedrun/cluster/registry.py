@@ -85,6 +85,14 @@ def load(name: str, config_dir: str | os.PathLike | None = None) -> JobRecord:
     return _read(path)
 
 
+def recorded(name: str, config_dir: str | os.PathLike | None = None) -> JobRecord | None:
+    """Job `name`'s record here; None when there is none or it is damaged (it is written anew)."""
+    try:
+        return load(name, config_dir) if exists(name, config_dir) else None
+    except SpeedrunError:
+        return None
+
+
 def read_all(config_dir: str | os.PathLike | None = None) -> tuple[list[JobRecord], list[str]]:
     """Every job record, oldest first, and for each damaged one a line saying so (as `load` would)."""
     records, bad = [], []

@@ -17,6 +17,8 @@ from speedrun.cluster.hosts import Host
 from speedrun.cluster.job import Job
 from speedrun.cluster.probe import probe_task, resolve
 from speedrun.cluster.providers import provider_from_record
+from speedrun.cluster.slurm import SlurmProvider
+from speedrun.cluster.slurm.job import slurm_job
 from speedrun.cluster.ssh import SSHHost
 from speedrun.cluster.task import Task
 from speedrun.cluster.utils import REACH_TIMEOUT_S, parallel
@@ -25,20 +27,14 @@ from speedrun.errors import SpeedrunError
 log = logging.getLogger("speedrun.cluster")
 
 
-def recorded(name: str, config_dir: str | os.PathLike | None = None) -> registry.JobRecord | None:
-    """Job `name`'s record here; None when there is none or it is damaged (it is written anew)."""
-    try:
-        return registry.load(name, config_dir) if registry.exists(name, config_dir) else None
-    except SpeedrunError:
-        return None
-
-
 def open_job(name: str, config_dir: str | os.PathLike | None = None, *, probe: bool = True) -> Job:
     """The job `name` as recorded by make_job on this machine, to inspect, follow, attach to or kill.
 
     probe=False skips contacting the hosts (enough for status and kill; run and launch need it)."""
     rec, pinned = refreshed(registry.load(name, config_dir), config_dir)  # a watcher elsewhere may have moved tasks
     prov = provider_from_record(rec.provider, registry.path_of(name, config_dir))
+    if isinstance(prov, SlurmProvider):  # its tasks are read through the run directory: nothing to probe
+        return slurm_job(name, rec.num_tasks, prov, rec.run_dir, python=rec.python, reconnected=True)
     hosts_ = prov.hosts(rec.num_tasks)
     adopt_host_keys(rec, hosts_, pinned)  # and met a replacement there first
     sessions = [f"{name}-{i}" for i in range(rec.num_tasks)]

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from speedrun.cluster import registry
-from speedrun.cluster.reopen import open_job, recorded
+from speedrun.cluster.reopen import open_job
 from speedrun.errors import SpeedrunError
 
 log = logging.getLogger("speedrun.cluster")
@@ -52,7 +52,7 @@ def stop_watcher(rec: registry.JobRecord, config_dir: str | os.PathLike | None =
 def stop_watcher_for_new_run(name: str, config_dir: str | os.PathLike | None = None) -> None:
     """Stop and forget the recorded watcher of job `name` before a new run of it starts;
     SpeedrunError, with nothing started, when it could not be stopped."""
-    rec = recorded(name, config_dir)
+    rec = registry.recorded(name, config_dir)
     stopped = stop_watcher(rec, config_dir, forget=True) if rec is not None else None
     if stopped is not None and stopped.ok:
         log.info("job %s: %s (a new run starts)", name, stopped.line)

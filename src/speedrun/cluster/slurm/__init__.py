@@ -1,9 +1,16 @@
-"""The Slurm provider (issue 25, being built): speedrun's jobs on the clusters where most GPUs
-already are, one Slurm job per speedrun job, through Slurm's own clients.
+"""The Slurm provider: speedrun's jobs on the clusters where most GPUs already are, one Slurm job per
+speedrun job, through Slurm's own clients (docs/slurm.md).
 
-Here so far, one step per module: config.py (SlurmConfig: make_job's options for provider="slurm",
-and Slurm's time-limit format), api.py (running sbatch, squeue, scontrol, scancel with each failure
-in one line: exit 2 for what the user can fix, 3 when Slurm does not answer) and submit.py (a
-request checked against the cluster before anything of the job is made). docs/slurm.md says what
-works today.
+    config.py    SlurmConfig: make_job's options for provider="slurm", and Slurm's time-limit format
+    api.py       running sbatch, squeue, scontrol, scancel, each failure in one line (exit 2 for what
+                 the user can fix, 3 when Slurm does not answer)
+    submit.py    a request checked against the cluster before anything of the job is made
+    queue.py     the job's Slurm job: submit, its state, cancel
+    scripts.py   the batch script and each node's script: one torchrun per node, requeue on warning
+    provider.py  SlurmProvider, the provider interface
+    job.py       SlurmJob: launch, status, wait, logs, kill for a job on Slurm
 """
+from speedrun.cluster.slurm.config import SlurmConfig
+from speedrun.cluster.slurm.provider import SlurmProvider
+
+__all__ = ["SlurmConfig", "SlurmProvider"]

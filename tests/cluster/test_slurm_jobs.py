@@ -1,0 +1,278 @@
+"""speedrun's jobs on a real Slurm cluster (tests/slurm_cluster.py), through the command line a user
+types: `speedrun launch --provider slurm`, `ls`, `logs`, `kill`, `down`, and the trainer's files.
+
+Runs are real `speedrun train` processes, one torchrun per node; the interruptions are Slurm's own:
+`scontrol requeue`, a time limit's warning signal, a node whose slurmd and processes are killed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cli_run import in_terminal, terminal_exit, wait_for
+from slurm_cluster import SlurmCluster, require
+from speedrun.cli import main
+from speedrun.cluster import make_job, open_job
+from speedrun.cluster.slurm.config import SlurmConfig
+from speedrun.cluster.slurm.scripts import array_script, batch_script, node_script
+from speedrun.track import read_jsonl
+from test_distributed import write_recipe
+
+pytestmark = pytest.mark.slurm
+ONE_THREAD = ["--env", "OMP_NUM_THREADS=1"]  # two processes per core at most: one thread each
+TRAIN = ["-m", "speedrun", "train", "--device", "cpu", "--out", "{run_dir}"]
+EPOCHS = 30  # of write_recipe's 768 images in batches of 32: 720 steps, about a minute on two nodes
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    require("the Slurm tests")
+    with SlurmCluster(3, workdir=tmp_path_factory.mktemp("slurm")) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def in_cluster(slurm, monkeypatch):
+    """The module's cluster, reached as speedrun reaches it (SLURM_CONF); every job cancelled after
+    the test, so that one that failed leaves the next its nodes."""
+    for k, v in slurm.env.items():
+        monkeypatch.setenv(k, v)
+    yield slurm
+    slurm.client("scancel", "--user", "root", check=False)
+
+
+@pytest.fixture(scope="module")
+def recipe(tmp_path_factory) -> Path:
+    """A run long enough to be interrupted mid-way (GroupNorm: the same losses on any split of the batch)."""
+    return write_recipe(tmp_path_factory.mktemp("recipe") / "r.py", 2, 32, epochs=EPOCHS, model="resnet-fmnist-tiny-gn")
+
+
+@pytest.fixture(scope="module")
+def reference(recipe, tmp_path_factory) -> list[dict]:
+    """The uninterrupted run's steps: the same recipe, two processes, on this machine."""
+    out = tmp_path_factory.mktemp("reference") / "run"
+    r = subprocess.run([sys.executable, "-m", "speedrun", "train", "--recipe", str(recipe), "--device", "cpu",
+                        "--deterministic", "--log-every", "1", "--nproc-per-node", "2", "--out", str(out)],
+                       capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr
+    return read_jsonl(out / "steps.jsonl")
+
+
+def speedrun(capsys, *args: str) -> tuple[int, str, str]:
+    """The command line, in this process: exit status, stdout, stderr."""
+    capsys.readouterr()
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def launch(capsys, name: str, run_root: Path, *args: str) -> Path:
+    code, out, err = speedrun(capsys, "launch", name, "--provider", "slurm", "--run-root", str(run_root), *args)
+    assert code == 0, out + err
+    return Path(next(line for line in out.splitlines() if "run dir" in line).split("run dir ")[1].split(":")[0])
+
+
+def ls_lines(capsys, name: str) -> list[str]:
+    code, out, err = speedrun(capsys, "ls", name)
+    assert code == 0, err
+    return out.splitlines()
+
+
+def steps_logged(run: Path) -> int:
+    return len(read_jsonl(run / "steps.jsonl")) if (run / "steps.jsonl").exists() else 0
+
+
+def check_resumed_exactly(run: Path, reference: list[dict]) -> dict:
+    """The run finished with every step's loss equal to the uninterrupted run's and nothing redone."""
+    results = json.loads((run / "results.json").read_text())
+    assert results["status"] == "finished" and results["world_size"] == 2
+    steps = read_jsonl(run / "steps.jsonl")
+    assert [s["step"] for s in steps] == [s["step"] for s in reference]
+    for ours, theirs in zip(steps, reference):
+        assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5), ours["step"]  # float noise of two processes
+    assert results["interruptions"] and all(i["steps_redone"] == 0 for i in results["interruptions"])
+    return results
+
+
+def test_the_scripts_given_to_slurm_are_valid_bash_with_the_options_asked_for(tmp_path):
+    config = SlurmConfig(partition="gpu", time="1:00:00", signal_lead_s=90, sbatch_args=("--exclusive",))
+    batch = batch_script(job="j", name="train", nodes=2, run_dir="/r", cwd="/c", config=config, python="python3")
+    node = node_script(job="j", name="train", nodes=2, run_dir="/r", env={"A": "it's"})
+    array = array_script(job="j", name="ablate", count=4, limit=2, run_dir="/r", cwd="/c", config=config)
+    for text in (batch, node, array):
+        (tmp_path / "s.sh").write_text(text)
+        assert subprocess.run(["bash", "-n", tmp_path / "s.sh"], capture_output=True, text=True).stderr == ""
+    sbatch = [ln.split(" ", 1)[1] for ln in batch.splitlines() if ln.startswith("#SBATCH ")]
+    assert sbatch == ["--job-name=j", "--nodes=2", "--ntasks-per-node=1", "--chdir=/c",
+                      "--output=/r/slurm/slurm-%j.out", "--open-mode=append", "--requeue", "--signal=B:USR1@90",
+                      "--partition=gpu", "--time=1:00:00", "--exclusive"]
+    assert "#SBATCH --array=0-3%2\n" in array and "export A='it'\"'\"'s'\n" in node
+
+
+def test_a_two_node_job_trains_and_ls_shows_slurms_state_next_to_speedruns(in_cluster, tmp_path, capsys):
+    run = launch(capsys, "pair", tmp_path, "-n", "2", *ONE_THREAD, "--", *TRAIN, "--recipe", "tiny")
+    wait_for(lambda: steps_logged(run) > 0 or (run / "results.json").exists(), 600, "the first steps")
+    running = ls_lines(capsys, "pair")
+    assert [ln.split()[1:4] for ln in running[1:3]] == [["0", "node1", "running"], ["1", "node2", "running"]]
+    assert "  pair: slurm job " in running[3] and ": RUNNING on node[1-2]" in running[3]
+
+    # Only one node is left: a second two-node job waits, and ls says why, in Slurm's words.
+    waiting = launch(capsys, "queued", tmp_path, "-n", "2", "--", *TRAIN, "--recipe", "tiny")
+    wait_for(lambda: ls_lines(capsys, "queued")[-1].endswith(": PENDING (Resources)"), 60, "Slurm's reason")
+    lines = ls_lines(capsys, "queued")
+    assert [ln.split()[1:4] for ln in lines[1:3]] == [["0", "-", "pending"], ["1", "-", "pending"]]
+    assert lines[3].startswith("  queued: slurm job ")
+    code, out, err = speedrun(capsys, "kill", "queued")
+    assert code == 0 and f"its logs stay in {waiting}" in out, out + err
+    wait_for(lambda: "CANCELLED" in ls_lines(capsys, "queued")[-1], 60, "the queued job to be cancelled")
+    code, out, _ = speedrun(capsys, "down", "queued")
+    assert code == 0 and "job queued is down" in out
+    code, _, err = speedrun(capsys, "ls", "queued")  # forgotten
+    assert code == 2 and "no job named 'queued'" in err
+
+    # `launch` again while it runs reconnects, and --wait waits for Slurm's job to end.
+    code, out, err = speedrun(capsys, "launch", "pair", "--provider", "slurm", "-n", "2", "--run-root", str(tmp_path),
+                              "--wait", "--", *TRAIN, "--recipe", "tiny")
+    assert code == 0 and "reconnected" in out, out + err
+    results = json.loads((run / "results.json").read_text())
+    assert results["status"] == "finished" and results["world_size"] == 2
+    done = ls_lines(capsys, "pair")
+    assert [ln.split()[1:4] for ln in done[1:3]] == [["0", "node1", "succeeded"], ["1", "node2", "succeeded"]]
+    assert done[3].endswith(": COMPLETED")
+    code, out, _ = speedrun(capsys, "logs", "pair", "0")
+    assert code == 0 and "epoch   4/4" in out
+    for i in (0, 1):  # the same layout as every provider's: a numbered command directory per task
+        (cmd,) = (run / f"task-{i}" / "cmds").glob("*-train")
+        assert (cmd / "status").read_text().strip() == "0" and (cmd / "node").read_text().strip() == f"node{i + 1}"
+
+
+def test_a_requeue_mid_run_resumes_at_the_step_it_stopped_with_every_loss_equal(in_cluster, recipe, reference,
+                                                                              tmp_path, capsys):
+    run = launch(capsys, "requeued", tmp_path, "-n", "2", *ONE_THREAD, "--", *TRAIN, "--recipe", str(recipe),
+                 "--deterministic", "--log-every", "1")
+    wait_for(lambda: steps_logged(run) >= 60, 600, "60 steps")
+    job_id = (run / "slurm" / "job_id").read_text().strip()
+    assert f"epoch   1/{EPOCHS}" in attached_view("requeued", 0, f"speedrun-{job_id}")  # rank 0's log, live
+    in_cluster.client("scontrol", "requeue", job_id)
+    code, out, err = speedrun(capsys, "launch", "requeued", "--provider", "slurm", "-n", "2", "--run-root",
+                              str(tmp_path), "--wait", "--", *TRAIN)
+    assert code == 0, out + err
+    results = check_resumed_exactly(run, reference)
+    (recovery,) = results["recoveries"]
+    assert recovery["slurm_job"] == int(job_id) and recovery["resumed"] and recovery["requeue"] == 1
+    stopped = sorted((run / "task-0" / "cmds").glob("*-train"))[0] / "log"
+    assert "on SIGTERM; the checkpoint holds this step" in stopped.read_text()
+    assert ls_lines(capsys, "requeued")[3].endswith(": COMPLETED, requeued 1 time")
+
+
+def attached_view(job_name: str, task: int, socket: str) -> str:
+    """`speedrun attach`'s command line run in a terminal of its own, as a person would: what the
+    session on the task's node shows in its first window (the task's log, followed live), after
+    which the client detaches (exit status 0)."""
+    pid, fd = in_terminal(open_job(job_name).attach_argv(task))
+
+    def tmux(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["tmux", "-L", socket, *args], capture_output=True, text=True)
+    try:
+        session = f"{job_name}-{task}"
+        clients = wait_for(lambda: tmux("list-clients", "-F", "#{client_session}").stdout.split(), 60,
+                           "the attached client")
+        view = wait_for(lambda: "epoch" in (text := tmux("capture-pane", "-p", "-t", f"={session}:train").stdout)
+                        and text, 120, "the log in the attached view")
+        windows = tmux("list-windows", "-t", f"={session}", "-F", "#{window_name}").stdout.split()
+        tmux("detach-client", "-s", f"={session}")
+        assert terminal_exit(pid, fd) == 0
+        assert clients == [session] and windows == ["train", "shell"]
+        return view
+    finally:
+        os.close(fd)
+        tmux("kill-server")  # the test cluster tracks processes by parentage: tmux's server escapes it
+
+
+def test_the_time_limits_warning_stops_the_run_at_a_step_and_the_requeued_job_finishes_it(
+        in_cluster, recipe, reference, tmp_path, capsys):
+    # Slurm checks time limits about once a minute: the warning, 60 s before a 2-minute limit,
+    # comes about a minute in, and each start of the job trains for about that long.
+    run = launch(capsys, "limited", tmp_path, "-n", "2", "--time", "2", "--signal-lead", "60", "--max-requeues", "10",
+                 *ONE_THREAD, "--", *TRAIN, "--recipe", str(recipe), "--deterministic", "--log-every", "1")
+    code, out, err = speedrun(capsys, "launch", "limited", "--provider", "slurm", "-n", "2", "--run-root",
+                              str(tmp_path), "--wait", "--", *TRAIN)
+    assert code == 0, out + err
+    results = check_resumed_exactly(run, reference)
+    warned = [r for r in results["recoveries"] if r["reason"].startswith("the time limit was near")]
+    assert warned and len(warned) == len(results["recoveries"]) == len(results["interruptions"])
+    assert all(r["resumed"] and r["relaunch_s"] > 0 for r in warned)
+    batch = (run / "slurm" / f"slurm-{warned[0]['slurm_job']}.out").read_text()
+    assert "speedrun: Slurm warns that the time limit is near: asking the run to stop at a step" in batch
+    assert "on a stop request" in batch  # every rank stopped after the same step
+
+
+@pytest.mark.parametrize("args, line", [
+    (["--partition", "gpu"], "speedrun: error: partition 'gpu' does not exist on this cluster (its partitions: debug)"),
+    (["-n", "5"], "speedrun: error: the job asks for 5 nodes, but partition debug has 3"),
+    (["--time", "1:2:3:4"], "speedrun: error: time limit '1:2:3:4' is not one Slurm reads: give minutes (90), "
+                            "hours:minutes:seconds (1:30:00) or days-hours[:minutes[:seconds]] (2-00:00:00)"),
+    (["--hosts", "a,b"], "speedrun: error: hosts were given for the slurm provider: Slurm chooses the nodes "
+                         "(give their number, -n, and a partition)"),
+    (["--recover"], "speedrun: error: --recover is for ssh and aws jobs: a Slurm job requeues itself and resumes "
+                    "(--max-requeues, docs/slurm.md)"),
+])
+def test_bad_input_is_one_line_and_exit_2_and_nothing_is_made(in_cluster, tmp_path, capsys, args, line):
+    code, out, err = speedrun(capsys, "launch", "bad", "--provider", "slurm", "--run-root", str(tmp_path), *args,
+                              "--", *TRAIN, "--recipe", "tiny")
+    assert (code, err.strip()) == (2, line), out
+    assert not list(tmp_path.iterdir()) and in_cluster.client("squeue", "-h", "--name", "bad").stdout.strip() == ""
+
+
+def test_no_sbatch_on_path_is_one_line_and_exit_2(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    code, out, err = speedrun(capsys, "launch", "bad", "--provider", "slurm", "--run-root", str(tmp_path), "--",
+                              *TRAIN, "--recipe", "tiny")
+    assert code == 2 and err.startswith("speedrun: error: sinfo is not on PATH: the slurm provider runs where "
+                                        "Slurm's clients are"), err
+
+
+def test_a_node_that_dies_mid_run_is_replaced_by_the_spare_and_the_run_finishes(recipe, tmp_path, capsys, monkeypatch):
+    require("the Slurm tests")
+    with SlurmCluster(3, workdir=tmp_path / "cluster") as cluster:
+        for k, v in cluster.env.items():
+            monkeypatch.setenv(k, v)
+        run = launch(capsys, "survivor", tmp_path, "-n", "2", *ONE_THREAD, "--", *TRAIN, "--recipe", str(recipe),
+                     "--log-every", "1")
+        wait_for(lambda: (run / "checkpoint.pt").exists() and steps_logged(run) >= 60, 600, "a checkpoint")
+        # node2 dies: its slurmd, its job's slurmstepd and every process it ran, at once.
+        pids = subprocess.run(["ip", "netns", "pids", cluster.netns.hosts[2].namespace], capture_output=True,
+                              text=True, check=True).stdout.split()
+        for pid in pids:
+            os.kill(int(pid), signal.SIGKILL)
+        code, out, err = speedrun(capsys, "launch", "survivor", "--provider", "slurm", "-n", "2", "--run-root",
+                                  str(tmp_path), "--wait", "--", *TRAIN)
+        assert code == 0, out + err
+        results = json.loads((run / "results.json").read_text())
+        assert results["status"] == "finished" and results["world_size"] == 2
+        assert results["recoveries"] and results["interruptions"]
+        last = sorted((run / "task-1" / "cmds").glob("*-train"))[-1]
+        assert (last / "node").read_text().strip() == "node3" and (last / "status").read_text().strip() == "0"
+        assert cluster.node_states()["node2"].startswith("down")
+
+
+def test_ablate_on_a_slurm_job_runs_as_a_job_array_and_compare_reads_it_back(in_cluster, tmp_path, capsys):
+    job = make_job("ablated", 2, provider="slurm", run_root=str(tmp_path))
+    code, out, err = speedrun(capsys, "ablate", "tiny", "--only", "warmup", "--seeds", "1", "--epochs", "1",
+                              "--target", "top1=0.3", "--job", "ablated")
+    assert code == 0, out + err
+    assert "slurm job array " in out and ": 2 commands, at most 2 at once" in out
+    for variant in ("full", "warmup"):
+        done = json.loads((Path(job.run_dir) / "ablate-tiny" / variant / "seed0" / "results.json").read_text())
+        assert done["status"] in ("finished", "target_reached")
+        assert done["recipe"]["name"] == ("tiny" if variant == "full" else "tiny-no-warmup")
+    elements = sorted(p.name for p in (Path(job.run_dir) / "slurm" / "ablate").glob("*.out"))
+    assert elements == ["0.out", "1.out"]  # one array element per run
+    code, out, err = speedrun(capsys, "compare", "ablated", "--plot", str(tmp_path / "job.png"))
+    assert code == 0 and "2 runs" in out, out + err
