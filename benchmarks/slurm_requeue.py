@@ -1,7 +1,7 @@
 """What a Slurm time limit costs a speedrun job: the warning, the stop at a step, the requeue and the
 resumed run, side by side with the same job run without a limit.
 
-    sudo python benchmarks/slurm_requeue.py [--epochs 30] [--cred-expire 10] [--out FILE]
+    sudo python benchmarks/slurm_requeue.py [--epochs 60] [--cred-expire 10] [--out FILE]
 
 It builds the test Slurm cluster (tests/slurm_cluster.py: Debian's slurmctld, slurmd and munge,
 nodes in network namespaces; needs root and those packages), trains a small GroupNorm model on two
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -63,7 +64,8 @@ def train(recipe: Path, run_root: Path, name: str, **options) -> tuple[Path, flo
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--epochs", type=int, default=30, help="epochs of 768 images (default 30: 720 steps)")
+    parser.add_argument("--epochs", type=int, default=60,
+                        help="epochs of 768 images (default 60: 1440 steps, long enough to meet the warning)")
     parser.add_argument("--cred-expire", type=int, default=10,
                         help="the cluster's credential lifetime, seconds: how long Slurm holds a requeued job "
                              "(default 10; Slurm's own default is 120)")
@@ -78,9 +80,10 @@ def main() -> int:
     recipe = write_recipe(work / "r.py", 2, 32, epochs=args.epochs, model="resnet-fmnist-tiny-gn")
     with SlurmCluster(3, workdir=work / "cluster", cred_expire_s=args.cred_expire) as cluster:
         os.environ.update(cluster.env)
-        _, base_wall, _ = train(recipe, work / "runs", "baseline")
+        _, base_wall, _ = train(recipe, work / "runs", "baseline")  # a failed job exits, leaving `work` to look at
         run, wall, seen = train(recipe, work / "runs", "limited", time="2", signal_lead_s=60, max_requeues=20)
     results = json.loads((run / "results.json").read_text())
+    shutil.rmtree(work, ignore_errors=True)
     rows = []
     for rec, cost in zip(results["recoveries"], results["interruptions"]):
         started = rec["at"] + rec["relaunch_s"]
@@ -93,8 +96,9 @@ def main() -> int:
     print(f"slurm_requeue: {len(rows)} interruption(s) of a {args.epochs}-epoch run on 2 nodes, "
           f"cred_expire {args.cred_expire} s")
     for i, r in enumerate(rows, 1):
-        parts = ", ".join(f"{k.removesuffix('_s').replace('_', ' ')} {v:.1f} s" if k.endswith("_s") and v is not None
-                          else f"{k.replace('_', ' ')} {v}" for k, v in r.items())
+        parts = ", ".join(f"{k.replace('_', ' ')} {v}" if not k.endswith("_s") else
+                          f"{k.removesuffix('_s').replace('_', ' ')} {'-' if v is None else f'{v:.1f} s'}"
+                          for k, v in r.items())
         print(f"  {i}: {parts}")
     print(f"  steps: {results['steps']} (the baseline's: same recipe), status {results['status']}")
     print(f"  wall: {wall:.1f} s with the limit vs {base_wall:.1f} s without: ratio {wall / base_wall:.2f}")

@@ -148,10 +148,10 @@ class SlurmCluster:
                     p.wait()
         self.daemons = {}
         pid = self.dir / "munged.pid"
-        if pid.exists():
-            with contextlib.suppress(ProcessLookupError, ValueError):
-                os.kill(int(pid.read_text().split()[0]), signal.SIGTERM)
-            pid.unlink()
+        # munged removes its pid file as it exits: it may be gone at any point here.
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError, ValueError):
+            os.kill(int(pid.read_text().split()[0]), signal.SIGTERM)
+        pid.unlink(missing_ok=True)
         self.netns.stop()
         if self._own_workdir:
             shutil.rmtree(self.dir, ignore_errors=True)

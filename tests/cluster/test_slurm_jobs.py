@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,10 @@ from test_distributed import write_recipe
 pytestmark = pytest.mark.slurm
 ONE_THREAD = ["--env", "OMP_NUM_THREADS=1"]  # two processes per core at most: one thread each
 TRAIN = ["-m", "speedrun", "train", "--device", "cpu", "--out", "{run_dir}"]
-EPOCHS = 30  # of write_recipe's 768 images in batches of 32: 720 steps, about a minute on two nodes
+# Of write_recipe's 768 images in batches of 32: 1080 steps, about 75 s of training on two nodes here.
+# Longer than the latest a 2-minute limit's warning comes (60 s lead, and Slurm may send it up to a
+# minute early): the time-limit test's run is always warned at least once.
+EPOCHS = 45
 
 
 @pytest.fixture(scope="module")
@@ -115,14 +119,8 @@ def test_the_scripts_given_to_slurm_are_valid_bash_with_the_options_asked_for(tm
     assert "#SBATCH --array=0-3%2\n" in array and "export A='it'\"'\"'s'\n" in node
 
 
-def test_a_two_node_job_trains_and_ls_shows_slurms_state_next_to_speedruns(in_cluster, tmp_path, capsys):
-    run = launch(capsys, "pair", tmp_path, "-n", "2", *ONE_THREAD, "--", *TRAIN, "--recipe", "tiny")
-    wait_for(lambda: steps_logged(run) > 0 or (run / "results.json").exists(), 600, "the first steps")
-    running = ls_lines(capsys, "pair")
-    assert [ln.split()[1:4] for ln in running[1:3]] == [["0", "node1", "running"], ["1", "node2", "running"]]
-    assert "  pair: slurm job " in running[3] and ": RUNNING on node[1-2]" in running[3]
-
-    # Only one node is left: a second two-node job waits, and ls says why, in Slurm's words.
+def test_a_job_waiting_for_nodes_is_pending_with_slurms_reason_until_killed(in_cluster, tmp_path, capsys):
+    launch(capsys, "holder", tmp_path, "-n", "2", "--", "--no-python", "sleep", "600")  # two of the three nodes
     waiting = launch(capsys, "queued", tmp_path, "-n", "2", "--", *TRAIN, "--recipe", "tiny")
     wait_for(lambda: ls_lines(capsys, "queued")[-1].endswith(": PENDING (Resources)"), 60, "Slurm's reason")
     lines = ls_lines(capsys, "queued")
@@ -135,6 +133,16 @@ def test_a_two_node_job_trains_and_ls_shows_slurms_state_next_to_speedruns(in_cl
     assert code == 0 and "job queued is down" in out
     code, _, err = speedrun(capsys, "ls", "queued")  # forgotten
     assert code == 2 and "no job named 'queued'" in err
+    code, out, _ = speedrun(capsys, "down", "holder")
+    assert code == 0 and "job holder is down" in out
+
+
+def test_a_two_node_job_trains_and_ls_shows_slurms_state_next_to_speedruns(in_cluster, tmp_path, capsys):
+    run = launch(capsys, "pair", tmp_path, "-n", "2", *ONE_THREAD, "--", *TRAIN, "--recipe", "tiny")
+    wait_for(lambda: steps_logged(run) > 0 or (run / "results.json").exists(), 600, "the first steps")
+    running = ls_lines(capsys, "pair")
+    assert [ln.split()[1:4] for ln in running[1:3]] == [["0", "node1", "running"], ["1", "node2", "running"]]
+    assert "  pair: slurm job " in running[3] and ": RUNNING on node[1-2]" in running[3]
 
     # `launch` again while it runs reconnects, and --wait waits for Slurm's job to end.
     code, out, err = speedrun(capsys, "launch", "pair", "--provider", "slurm", "-n", "2", "--run-root", str(tmp_path),
@@ -145,11 +153,27 @@ def test_a_two_node_job_trains_and_ls_shows_slurms_state_next_to_speedruns(in_cl
     done = ls_lines(capsys, "pair")
     assert [ln.split()[1:4] for ln in done[1:3]] == [["0", "node1", "succeeded"], ["1", "node2", "succeeded"]]
     assert done[3].endswith(": COMPLETED")
-    code, out, _ = speedrun(capsys, "logs", "pair", "0")
+    code, out, _ = speedrun(capsys, "logs", "pair", "0", "-f")  # the job has ended: all of it, then done
     assert code == 0 and "epoch   4/4" in out
+    tb = open_job("pair").tensorboard()  # `speedrun tb`: on this machine, over the shared run directory
+    try:
+        with urllib.request.urlopen(tb.url, timeout=30) as page:
+            assert page.status == 200 and b"TensorBoard" in page.read()
+    finally:
+        tb.close()
     for i in (0, 1):  # the same layout as every provider's: a numbered command directory per task
         (cmd,) = (run / f"task-{i}" / "cmds").glob("*-train")
         assert (cmd / "status").read_text().strip() == "0" and (cmd / "node").read_text().strip() == f"node{i + 1}"
+
+    # A finished run is never started again, even when Slurm requeues its job.
+    results = (run / "results.json").read_text()
+    job_id = (run / "slurm" / "job_id").read_text().strip()
+    in_cluster.client("scontrol", "requeue", job_id)
+    wait_for(lambda: ls_lines(capsys, "pair")[-1].endswith(": COMPLETED, requeued 1 time"), 120,
+             "the requeued job to end")
+    assert (run / "results.json").read_text() == results
+    assert [len(list((run / f"task-{i}" / "cmds").glob("*-train"))) for i in (0, 1)] == [1, 1]
+    assert "is complete: nothing to start again" in (run / "slurm" / f"slurm-{job_id}.out").read_text()
 
 
 def test_a_requeue_mid_run_resumes_at_the_step_it_stopped_with_every_loss_equal(in_cluster, recipe, reference,
@@ -197,9 +221,9 @@ def attached_view(job_name: str, task: int, socket: str) -> str:
 
 def test_the_time_limits_warning_stops_the_run_at_a_step_and_the_requeued_job_finishes_it(
         in_cluster, recipe, reference, tmp_path, capsys):
-    # Slurm checks time limits about once a minute: the warning, 60 s before a 2-minute limit,
-    # comes about a minute in, and each start of the job trains for about that long.
-    run = launch(capsys, "limited", tmp_path, "-n", "2", "--time", "2", "--signal-lead", "60", "--max-requeues", "10",
+    # Slurm sends the warning up to a minute before it is due (its events run about twice a
+    # minute): 60 s before a 2-minute limit, it comes 0-60 s into each start of the job.
+    run = launch(capsys, "limited", tmp_path, "-n", "2", "--time", "2", "--signal-lead", "60", "--max-requeues", "20",
                  *ONE_THREAD, "--", *TRAIN, "--recipe", str(recipe), "--deterministic", "--log-every", "1")
     code, out, err = speedrun(capsys, "launch", "limited", "--provider", "slurm", "-n", "2", "--run-root",
                               str(tmp_path), "--wait", "--", *TRAIN)
@@ -211,6 +235,27 @@ def test_the_time_limits_warning_stops_the_run_at_a_step_and_the_requeued_job_fi
     batch = (run / "slurm" / f"slurm-{warned[0]['slurm_job']}.out").read_text()
     assert "speedrun: Slurm warns that the time limit is near: asking the run to stop at a step" in batch
     assert "on a stop request" in batch  # every rank stopped after the same step
+
+
+def test_a_command_that_fails_before_any_checkpoint_is_not_requeued_and_ls_says_why(in_cluster, tmp_path, capsys):
+    code, out, err = speedrun(capsys, "launch", "broken", "--provider", "slurm", "-n", "2", "--run-root",
+                              str(tmp_path), "--wait", "--", "--no-python", "false")
+    assert code == 3, out + err
+    lines = ls_lines(capsys, "broken")
+    assert [ln.split()[3:5] for ln in lines[1:3]] == [["failed", "(1)"], ["failed", "(1)"]]
+    assert lines[-1].endswith(": FAILED, exit 1: the step failed (exit 1); not requeued: no checkpoint to "
+                              "resume from"), lines
+
+
+def test_requeues_beyond_the_cap_end_the_job_and_ls_says_so(in_cluster, tmp_path, capsys):
+    run = launch(capsys, "capped", tmp_path, "-n", "1", "--max-requeues", "0", "--", "--no-python", "sleep", "300")
+    wait_for(lambda: list((run / "task-0" / "cmds").glob("*-train")), 120, "the command to start")
+    in_cluster.client("scontrol", "requeue", (run / "slurm" / "job_id").read_text().strip())
+    (result,) = open_job("capped").wait(timeout=300, check=False)
+    assert not result.ok  # ended by the requeue's SIGTERM, and not started again:
+    assert len(list((run / "task-0" / "cmds").glob("*-train"))) == 1
+    assert ls_lines(capsys, "capped")[-1].endswith(": FAILED, exit 3, requeued 1 time: Slurm started this job 1 "
+                                                   "times after the first, more than max_requeues (0): giving up")
 
 
 @pytest.mark.parametrize("args, line", [

@@ -36,6 +36,7 @@ from speedrun.cluster.slurm.queue import SlurmJobState, active, cancel, job_stat
 from speedrun.cluster.slurm.scripts import array_script, batch_script, command_text, node_script
 from speedrun.cluster.slurm.submit import check_request
 from speedrun.cluster.task import CommandFailed, Result, Task, check_name, status_code, tmux_message
+from speedrun.cluster.tensorboard import TensorBoard
 from speedrun.errors import SpeedrunError
 
 log = logging.getLogger("speedrun.cluster")
@@ -60,8 +61,8 @@ def make_slurm_job(name: str, num_tasks: int, provider: SlurmProvider, *, run_ro
         state = job.slurm_state()
         if state is not None and not state.ended:
             if not restart:
-                log.info("job %s is running (%s, %s); reconnected without changing it", name, state.describe(),
-                         job.run_dir)
+                log.info("job %s is queued or running (%s, %s); reconnected without changing it", name,
+                         state.describe(), job.run_dir)
                 return job
             log.info("job %s: cancelling %s to start it again", name, state.describe())
             job.kill()
@@ -191,10 +192,12 @@ class SlurmJob(Job):
             time.sleep(POLL_S)  # asking the controller, as squeue users do, at a modest rate
 
     # --- state ---
-    def latest(self, index: int, name: str) -> Path | None:
-        """Task `index`'s newest command directory called `name`; None before its first start."""
+    def latest(self, index: int, name: str, *, on_node: bool = False) -> Path | None:
+        """Task `index`'s newest command directory called `name` (a glob: "*" for any); None before
+        its first start. on_node: only those a node ran (not this machine's TensorBoard)."""
         base = Path(self.run_dir) / f"task-{index}" / "cmds"
         found = sorted(base.glob("[0-9]" * tmux.SEQ_DIGITS + f"-{name}")) if base.is_dir() else []
+        found = [d for d in found if (d / "node").exists()] if on_node else found
         return found[-1] if found else None
 
     def status(self, name: str = "train") -> list[TaskStatus]:
@@ -257,11 +260,13 @@ class SlurmJob(Job):
         return results
 
     def kill(self) -> list[str]:
-        """Cancel the Slurm job (its processes get SIGTERM, then SIGKILL after Slurm's KillWait);
-        logs and the run directory stay. Returns [] (Slurm answered) or raises."""
+        """Cancel the Slurm job (its processes get SIGTERM, then SIGKILL after Slurm's KillWait) and
+        end its TensorBoard session here, if any; logs and the run directory stay. Returns [] (Slurm
+        answered) or raises."""
         job_id = self.slurm_job_id()
         if job_id is not None:
             cancel(job_id)
+        self.tasks[0].kill()
         return []
 
     def logs(self, name: str = "train", *, follow: bool = False, out: TextIO | None = None,
@@ -315,6 +320,13 @@ class SlurmJob(Job):
             t.join()
         return []
 
+    def tensorboard(self, local_port: int | None = None, timeout: float = 120.0) -> TensorBoard:
+        """TensorBoard on this machine, over the run directory it sees on the shared file system (see
+        Job.tensorboard), in a tmux session of task 0 here: `speedrun tb JOB` as for any job."""
+        t = self.tasks[0]
+        t._shell(tmux.new_session(t.tmux_socket, t.session, self.name, self.run_dir, t.logdir, t.cwd, replace=False))
+        return super().tensorboard(local_port, timeout)
+
     def attach_argv(self, task: int = 0, window: str | None = None) -> list[str]:
         """The command line that puts this terminal in a tmux session on task `task`'s node, inside
         the job's allocation (`srun --overlap --pty`): a window following the log of the task's
@@ -325,7 +337,7 @@ class SlurmJob(Job):
             now = state.describe() if state is not None else "not running"
             raise SpeedrunError(f"job {self.name} is not running on Slurm ({now}): attach reaches a running task's "
                                 f"node; read what it wrote with speedrun logs {self.name}")
-        d = self.latest(task, check_name(window) if window else "*")
+        d = self.latest(task, check_name(window) if window else "*", on_node=True)
         name = d.name.split("-", 1)[1] if d is not None else window
         node = _read(d / "node") if d is not None else None
         if d is None or node is None or (d / "status").exists():
