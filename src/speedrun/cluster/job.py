@@ -246,8 +246,9 @@ class Job:
                join_timeout_s: float = JOIN_TIMEOUT_S) -> list[Command]:
         """Start one torchrun per task: `torchrun --nnodes N --node-rank i --nproc-per-node P
         --master-addr <task 0> --master-port <free port there> --rdzv-conf=timeout=T COMMAND`, in a
-        window named `name`. T, join_timeout_s (seconds, rounded up), bounds how long each torchrun
-        waits for all of them to join: one that never comes makes the others fail then.
+        window named `name`. P is nproc_per_node (default 1). T, join_timeout_s (seconds, rounded
+        up), bounds how long each torchrun waits for all of them to join: one that never comes makes
+        the others fail then.
 
         COMMAND is what follows torchrun's options: `train.py --lr 0.1` or `-m speedrun train ...`
         (shell text; a list is quoted for you). The environment also gets SPEEDRUN_JOB,
