@@ -213,3 +213,45 @@ def test_a_second_sigterm_soon_after_the_first_is_the_same_request_and_a_later_o
     clock[0] += stopping.DUPLICATE_S
     with pytest.raises(KeyboardInterrupt, match="second SIGTERM"):
         requests._on_sigterm(signal.SIGTERM, None)
+
+
+def rank_pid(ancestor: int, rank: int) -> int | None:
+    """The pid of the training process of `rank` (its RANK variable) among `ancestor`'s descendants."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+
+    def descends(pid: int) -> bool:
+        while pid > 1:
+            pid = parents.get(pid, 0)
+            if pid == ancestor:
+                return True
+        return False
+    for pid in parents:
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and descends(pid):
+            return pid
+    return None
+
+
+def test_a_sigterm_that_reaches_one_rank_first_still_stops_every_rank_after_the_same_step(tmp_path):
+    """A scheduler signals each rank on its own, milliseconds apart (Slurm's requeue, a preemption):
+    the rank signalled first must not leave the others waiting for it in the step's agreement. Here
+    only rank 1 is signalled: every rank still stops after one step, and rank 0 writes its checkpoint."""
+    args = ["train", "--recipe", str(write_recipe(tmp_path / "r.py", 2, 32, epochs=20, model="resnet-fmnist-tiny-gn")),
+            "--device", "cpu", "--log-every", "1", "--nproc-per-node", "2"]
+    run = tmp_path / "run"
+    proc = start(*args, "--out", str(run), env=env_one_thread())
+    wait_for(lambda: lines(run / "steps.jsonl") >= 30, 300, "30 steps")
+    pid = wait_for(lambda: rank_pid(proc.pid, 1), 60, "rank 1's process")
+    os.kill(pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == EXIT_RESUMABLE, err
+    assert checkpoint_state(run)["step"] == read_jsonl(run / "steps.jsonl")[-1]["step"] < 20 * STEPS_PER_EPOCH
+    assert json.loads((run / "results.json").read_text())["status"] == "stopped"

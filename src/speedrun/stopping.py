@@ -12,11 +12,13 @@ Three things ask a run to stop:
   the AWS provider sets for spot jobs): nothing is polled on machines that are not spot instances.
 - A request: a file named `stop` in the run directory (`touch RUN_DIR/stop`).
 
-A notice or a request seen by any rank stops all of them after the same step: after every step
-the ranks agree (an all-reduce of one small integer, over gloo so that it never waits on the
-GPU's stream). SIGTERM is acted on at once, without asking the others: torchrun also sends it
-when a rank died, and a collective with a dead rank may never end. Every rank has the same
-weights after each step, so rank 0 alone can write the checkpoint of the last step it finished.
+A notice, a request or SIGTERM seen by any rank stops all of them after the same step: after every
+step the ranks agree (an all-reduce of one small integer, over gloo so that it never waits on the
+GPU's stream). A scheduler's SIGTERM reaches the ranks a few milliseconds apart, so a rank that has
+it still asks: one that did not would leave the others waiting in the question for it. But it
+waits at most AGREE_S for an answer: torchrun also sends SIGTERM when a rank died, and then each
+survivor stops alone, at once. Every rank has the same weights after each step, so rank 0 alone
+can write the checkpoint of the last step it finished.
 Either way rank 0's checkpoint holds the position in the epoch's sample order, and the process
 exits with EXIT_RESUMABLE.
 """
@@ -41,6 +43,7 @@ if TYPE_CHECKING:
 
 POLL_S = 5.0  # how often the notice URL is asked, seconds (AWS's advice)
 DUPLICATE_S = 2.0  # a SIGTERM this soon after the first is the same request, seconds
+AGREE_S = 10.0  # after SIGTERM, how long a rank waits for the others to agree on the step, seconds
 STOP_FILE = "stop"
 
 # Why a run stops, as the integer the ranks agree on (the largest wins).
@@ -57,7 +60,8 @@ class StopRequests:
     def __init__(self, ctx: DistContext, run_dir: Path, notice_url: str | None):
         self.ctx, self.stop_file, self.notice_url = ctx, run_dir / STOP_FILE, notice_url
         self.code = 0  # this rank's request (0: none)
-        self.sigterm: float | None = None  # when SIGTERM came (time.monotonic()): stop without asking the others
+        self.sigterm: float | None = None  # when SIGTERM came (time.monotonic())
+        self.alone = False  # after SIGTERM the others did not answer: stop without asking them again
         self.notice: str | None = None  # the notice's text, when one came
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
@@ -110,27 +114,46 @@ class StopRequests:
             ticks += 1
 
     def agreed(self) -> bool:
-        """Whether to stop after this step (called after each step, on every rank): at once on
-        SIGTERM; otherwise when any rank has a request."""
-        if self.sigterm is not None:
-            return True
+        """Whether to stop after this step (called after each step, on every rank): when any rank
+        has a request. A rank that got SIGTERM asks the others too (a scheduler signals every rank,
+        not all at the same instant: one that skipped the question would leave the others waiting
+        in it), but for at most AGREE_S seconds: torchrun also sends SIGTERM when a rank died, and
+        then it stops alone, at once."""
         code = self.code
-        if self.ctx.world_size > 1:
+        if self.ctx.world_size > 1 and not self.alone:
             import torch
             import torch.distributed as dist
 
             flag = torch.tensor([code], dtype=torch.int32)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+            if self.sigterm is None:
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+            elif not self._bounded(dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)):
+                return True
             code = int(flag.item())
-        self.code = code
-        return code != 0
+        self.code = max(self.code, code)
+        return self.code != 0
+
+    def _bounded(self, work) -> bool:
+        """Wait for a collective on the control group for at most AGREE_S; False (and this rank
+        stops alone from now on) when a peer is gone or does not answer."""
+        import datetime
+
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=AGREE_S))
+            return True
+        except RuntimeError:  # gloo: the peer's connection closed, or the time ran out
+            self.alone = True
+            return False
 
     def barrier(self) -> None:
-        """Wait until every rank gets here (on the control group); not after SIGTERM, when a rank
-        may be gone."""
-        if self.ctx.world_size > 1 and self.sigterm is None:
+        """Wait until every rank gets here (on the control group); after SIGTERM for at most
+        AGREE_S, and not at all once this rank stops alone (a rank may be gone)."""
+        if self.ctx.world_size > 1 and not self.alone:
             import torch.distributed as dist
-            dist.barrier(group=self._group)
+            if self.sigterm is None:
+                dist.barrier(group=self._group)
+            else:
+                self._bounded(dist.barrier(group=self._group, async_op=True))
 
     def clear(self) -> None:
         """Forget a handled stop file, so that the resumed run does not stop at once."""

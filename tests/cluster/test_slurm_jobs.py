@@ -28,10 +28,12 @@ from test_distributed import write_recipe
 pytestmark = pytest.mark.slurm
 ONE_THREAD = ["--env", "OMP_NUM_THREADS=1"]  # two processes per core at most: one thread each
 TRAIN = ["-m", "speedrun", "train", "--device", "cpu", "--out", "{run_dir}"]
-# Of write_recipe's 768 images in batches of 32: 1080 steps, about 75 s of training on two nodes here.
-# Longer than the latest a 2-minute limit's warning comes (60 s lead, and Slurm may send it up to a
-# minute early): the time-limit test's run is always warned at least once.
-EPOCHS = 45
+# Of write_recipe's 768 images in batches of 32: 2160 steps, about 100 s of training on two nodes on
+# a quiet machine here (about 1.1 s an epoch) and 20 s to start. Well beyond the latest a 2-minute
+# limit's warning comes (60 s in: a 60 s lead, and Slurm may send it up to a minute early), so the
+# time-limit test's run is warned at least once however fast the machine (45 epochs were not: the
+# run finished as the warning came).
+EPOCHS = 90
 
 
 @pytest.fixture(scope="module")
