@@ -255,3 +255,43 @@ def test_a_sigterm_that_reaches_one_rank_first_still_stops_every_rank_after_the_
     assert proc.returncode == EXIT_RESUMABLE, err
     assert checkpoint_state(run)["step"] == read_jsonl(run / "steps.jsonl")[-1]["step"] < 20 * STEPS_PER_EPOCH
     assert json.loads((run / "results.json").read_text())["status"] == "stopped"
+
+
+def _agree_with_a_sigterm_during_the_question(rank: int, store: str, out: str) -> None:
+    """One rank of the test below: two agreements; on rank 1, SIGTERM lands while it waits in the
+    first one (its handler runs as soon as the all-reduce returns)."""
+    import types
+
+    import torch.distributed as dist
+
+    from speedrun import stopping
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    all_reduce = dist.all_reduce
+
+    def signalled_during(*args, **kwargs):
+        result = all_reduce(*args, **kwargs)
+        if rank == 1 and not answers:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return result
+
+    answers: list[bool] = []
+    dist.all_reduce = signalled_during
+    with stopping.StopRequests(types.SimpleNamespace(world_size=2), Path(out), None) as requests:
+        answers.append(requests.agreed())
+        answers.append(requests.agreed())
+    Path(out, f"rank{rank}.json").write_text(json.dumps(answers))
+    dist.destroy_process_group()
+
+
+def test_a_sigterm_that_lands_during_the_agreement_waits_for_the_next_one(tmp_path):
+    """Every rank must take the same decision after a step: a SIGTERM that reaches one rank while it
+    waits in the step's agreement is not part of that answer (the others did not hear it), so that
+    rank goes on with them and it is asked at the next step. Before, that rank alone stopped and the
+    others waited for it in the next step until the run hung."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_agree_with_a_sigterm_during_the_question, args=(str(tmp_path / "store"), str(tmp_path)),
+                       nprocs=2, start_method="spawn")
+    answers = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert answers == [[False, True], [False, True]]

@@ -126,7 +126,7 @@ def run_epochs(
                     if (ctx.is_main and cfg.checkpoint_minutes
                             and time.time() - last_save >= 60 * cfg.checkpoint_minutes):
                         last_save = save(writer, learner, state, clock, cfg)  # mid-epoch, in the background
-                if stops.code:
+                if stops.decided:  # what every rank agreed on, not this rank's own request
                     status = stop_here(stops, writer, learner, state, clock, cfg, ctx, tracker)
                     break
                 if ctx.device.type == "cuda":

@@ -60,6 +60,7 @@ class StopRequests:
     def __init__(self, ctx: DistContext, run_dir: Path, notice_url: str | None):
         self.ctx, self.stop_file, self.notice_url = ctx, run_dir / STOP_FILE, notice_url
         self.code = 0  # this rank's request (0: none)
+        self.decided = 0  # what the ranks agreed on after the last step (0: go on)
         self.sigterm: float | None = None  # when SIGTERM came (time.monotonic())
         self.alone = False  # after SIGTERM the others did not answer: stop without asking them again
         self.notice: str | None = None  # the notice's text, when one came
@@ -87,7 +88,7 @@ class StopRequests:
 
     @property
     def reason(self) -> str:
-        return REASONS.get(self.code, "nothing")
+        return REASONS.get(self.decided, "nothing")
 
     def request(self, code: int) -> None:
         self.code = max(self.code, code)
@@ -118,7 +119,9 @@ class StopRequests:
         has a request. A rank that got SIGTERM asks the others too (a scheduler signals every rank,
         not all at the same instant: one that skipped the question would leave the others waiting
         in it), but for at most AGREE_S seconds: torchrun also sends SIGTERM when a rank died, and
-        then it stops alone, at once."""
+        then it stops alone, at once. A request that comes while the ranks are asking (a signal's
+        handler runs when the all-reduce returns) is not in their answer: it waits for the next
+        step's, so that every rank takes the same decision."""
         code = self.code
         if self.ctx.world_size > 1 and not self.alone:
             import torch
@@ -127,11 +130,14 @@ class StopRequests:
             flag = torch.tensor([code], dtype=torch.int32)
             if self.sigterm is None:
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-            elif not self._bounded(dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)):
-                return True
-            code = int(flag.item())
+                code = int(flag.item())
+            elif self._bounded(dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)):
+                code = int(flag.item())
+            else:  # no answer: this rank stops alone, on its own request
+                code = self.code
+        self.decided = code
         self.code = max(self.code, code)
-        return self.code != 0
+        return self.decided != 0
 
     def _bounded(self, work) -> bool:
         """Wait for a collective on the control group for at most AGREE_S; False (and this rank
