@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import io
 import os
+import shlex
 import subprocess
 import threading
 from pathlib import Path
@@ -117,6 +118,26 @@ def test_kill_a_background_command(local_job):
     with pytest.raises(CommandFailed, match="was killed"):
         c.wait()
     assert running(os.getpid()) and not running(pid)  # kill() returns once the command's processes are gone
+
+
+def test_kill_stops_what_the_command_started_in_sessions_of_their_own(local_job):
+    # torchrun starts each worker in a session of its own: signalling the command's process group
+    # misses them, and a worker left behind holds the run directory (and a GPU) from the next run.
+    # One child takes SIGHUP as it comes; the other ignores it, as a process stuck in a collective
+    # does in effect, and is killed after the grace period.
+    job = local_job()
+    child = ("import os, signal, sys, time; signal.signal(signal.SIGHUP, signal.SIG_IGN if sys.argv[1] == 'deaf' "
+             "else signal.SIG_DFL); open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(300)")
+    spawn = (f"import subprocess, sys; "
+             f"subprocess.Popen([sys.executable, '-c', {child!r}, sys.argv[1]], start_new_session=True).wait()")
+    c = job[0].run(f"python3 -c {shlex.quote(spawn)} plain & python3 -c {shlex.quote(spawn)} deaf & wait",
+                   background=True, name="workers")
+    wait_for(lambda: all(job[0].exists(f) and job[0].read(f).strip() for f in ("plain", "deaf")), 30, "the children")
+    children = [int(job[0].read(f)) for f in ("plain", "deaf")]
+    assert all(running(p) for p in children)
+    c.kill()
+    assert c.state() == "killed"
+    assert [running(p) for p in children] == [False, False]
 
 
 def test_job_run_on_all_tasks(local_job):

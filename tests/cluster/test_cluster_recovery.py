@@ -92,9 +92,11 @@ def test_launch_recover_starts_an_ended_job_again_and_gives_up_after_max_restart
     assert event["replaced"] == {} and "task 0 (local) failed" in event["reason"] and not event["resumed"]
 
     broken = tmp_path / "broken.py"
-    broken.write_text("import sys\nsys.exit(3)\n")
+    broken.write_text("raise SystemExit('cannot read /data/x: no such directory')\n")
     assert main(["launch", f"{job_name}-b", *common, str(broken)]) == 2
-    assert "gave up after 1 recoveries: task 0 (local) failed" in capsys.readouterr().err
+    # each failure says why, from the task's log
+    assert ("gave up after 1 recoveries: task 0 (local) failed (1): cannot read /data/x: no such directory"
+            in capsys.readouterr().err)
 
 
 def test_a_watcher_started_again_takes_over_and_counts_earlier_recoveries(local_job, tmp_path):

@@ -109,6 +109,9 @@ REASON_PATTERNS = (re.compile(r"^speedrun: \S"), re.compile(r"^stopped at step \
                    re.compile(r"^\S*python[\d.]*: \S"),
                    re.compile(r"\b\w*(Error|Exception)\b: \S"), re.compile(r"\bSignal \d+ \(SIG\w+\) received"))
 REASON_CHARS = 200  # a reason longer than this is cut
+# Where torchrun starts its report of a worker that failed: its log line, then its own traceback
+# and table. The worker's last words are above it.
+TORCHRUN_REPORT = re.compile(r"\] failed \(exitcode: -?\d+\) local_rank: \d+")
 # Lines that never say why: c10d's warning that a peer's address has no host name (a reverse
 # lookup failed: hosts without a resolver, or whose addresses DNS does not name) and the
 # trainer's header line ("speedrun 0.1.0: recipe ...").
@@ -135,13 +138,19 @@ def check_nproc_per_node(count: int, what: str) -> int:
 def telling_line(lines: Sequence[str], *, killed: bool = False) -> str | None:
     """The line of a failed command's last log lines that says why it failed (see REASON_PATTERNS),
     else its last line that is neither decoration nor noise (NOISE_PATTERNS); None for a log
-    without one. For a command that was `killed` (a signal from outside) only a line that says why
-    counts: its last line says where it was, not why it ended."""
+    without one. What the command printed before torchrun's failure report (TORCHRUN_REPORT) comes
+    first: the report's own last line is a link to torchrun's docs. For a command that was
+    `killed` (a signal from outside) only a line that says why counts: its last line says where it
+    was, not why it ended."""
     # torchrun's failure table puts its fields as "key : value": the value is what says why.
     text = [re.sub(r"^traceback\s+:\s+", "", ln.strip()) for ln in lines
             if ln.strip().strip("=-") and not any(p.search(ln.strip()) for p in NOISE_PATTERNS)]
-    found = next((ln for pattern in REASON_PATTERNS for ln in reversed(text) if pattern.search(ln)),
-                 text[-1] if text and not killed else None)
+    report = next((i for i, ln in enumerate(text) if TORCHRUN_REPORT.search(ln)), len(text))
+    before = text[:report]
+    found = next((ln for part in (before, text) for pattern in REASON_PATTERNS for ln in reversed(part)
+                  if pattern.search(ln)), None)
+    if found is None and not killed:
+        found = before[-1] if before else text[-1] if text else None
     if found is None or len(found) <= REASON_CHARS:
         return found
     return found[:REASON_CHARS - 3] + "..."

@@ -62,7 +62,9 @@ def watch(job: Job, name: str = "train", *, max_restarts: int = 3, every_s: floa
         if not lost and not ended:
             time.sleep(every_s)  # the commands run: look again later
             continue
-        why = "; ".join(f"task {s.index} ({s.host}) {s.state}" + (f": {s.error}" if s.error else "")
+        # What made each one end, from its log (as `speedrun ls` says it): a task that fails again
+        # after a recovery must say why, not only "failed (1)".
+        why = "; ".join(f"task {s.index} ({s.host}) {s.state}" + (f": {s.error or s.why}" if s.error or s.why else "")
                         for s in lost + ended)
         if restarts >= max_restarts:
             raise SpeedrunError(f"job {job.name}: gave up after {restarts} recoveries: {why}")

@@ -24,7 +24,8 @@ import shlex
 from typing import Mapping
 
 SEQ_DIGITS = 6  # command directories are numbered 000001, 000002, ... so that they sort by age
-LOG_TAIL_LINES = 40  # lines of a failed command's log that task_status reports, to find the reason in
+KILL_WAIT_S = 5.0  # how long stop_command waits for SIGKILLed processes to be gone, seconds
+LOG_TAIL_LINES = 80  # lines of a failed command's log that task_status reports, to find the reason in
 
 
 def q(value: object) -> str:
@@ -60,6 +61,17 @@ cmd_running() {  # is the command in directory $1 running? (no status yet, and i
 }
 group_alive() {  # is any process of process group $1 running?
     ps -e -o pgid=,stat= | { while read -r g st; do [ "$g" = "$1" ] && [ "${st#Z}" = "$st" ] && exit 0; done; exit 1; }
+}
+descendants() {  # the processes process $1 started, at any depth, whichever group or session they are in
+    local -A kids=(); local pid ppid i=0; local -a queue=("$1")
+    while read -r pid ppid; do kids[$ppid]+=" $pid"; done < <(ps -e -o pid=,ppid=)
+    while [ "$i" -lt "${#queue[@]}" ]; do
+        for pid in ${kids[${queue[$i]}]}; do echo "$pid"; queue+=("$pid"); done
+        i=$((i + 1))
+    done
+}
+any_alive() {  # is any of the processes $@ running?
+    local p; for p in "$@"; do alive "$p" && return 0; done; return 1
 }
 """
 
@@ -313,17 +325,27 @@ echo "ended=$(stat -c %.3Y "$d/status")"
 
 
 def stop_command(cmd_dir: str, grace_s: float = 10.0, reason: str | None = None) -> str:
-    """SIGHUP the command's process group (as closing its window would) and return once all of it has
-    ended; SIGKILL what is left after grace_s seconds. A reason (one line) goes to `stopped` in the
-    command's directory first, for task_status to report."""
+    """SIGHUP the command's process group (as closing its window would) and every process it
+    started, wherever they went, and return once all of them have ended; SIGKILL what is left
+    after grace_s seconds (then wait up to KILL_WAIT_S seconds for them to go). A reason (one
+    line) goes to `stopped` in the command's directory first, for task_status to report."""
     note = f"printf '%s\\n' {q(reason)} > \"$d/stopped\"\n" if reason else ""
     return script(f"""d={q(cmd_dir)}
 {{ read -r p < "$d/pid"; }} 2>/dev/null || return 0
 cmd_running "$d" || group_alive "$p" || return 0
-{note}# tmux makes each pane's first process a process-group leader: signal the whole group.
+{note}# tmux makes each pane's first process a process-group leader: signal the whole group, and every
+# process the command started that left it (torchrun starts each worker in a session of its own;
+# once torchrun is gone they could no longer be found). A worker left running would hold the run
+# directory's lock and its GPU against the next run.
+tree=$(descendants "$p")
 kill -HUP -- "-$p" 2>/dev/null || kill -HUP "$p" 2>/dev/null
-for _ in $(seq {int(grace_s / 0.05)}); do group_alive "$p" || return 0; sleep 0.05; done
-kill -KILL -- "-$p" 2>/dev/null; return 0""")
+[ -z "$tree" ] || kill -HUP $tree 2>/dev/null
+for _ in $(seq {int(grace_s / 0.05)}); do group_alive "$p" || any_alive $tree || return 0; sleep 0.05; done
+kill -KILL -- "-$p" 2>/dev/null; [ -z "$tree" ] || kill -KILL $tree 2>/dev/null
+# SIGKILL takes effect soon, not at once: return when they are gone (bounded: a process in an
+# uninterruptible wait goes only when that wait ends).
+for _ in $(seq {int(KILL_WAIT_S / 0.05)}); do group_alive "$p" || any_alive $tree || return 0; sleep 0.05; done
+return 0""")
 
 
 def follow_log(cmd_dir: str, poll_s: float = 0.2) -> str:
