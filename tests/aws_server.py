@@ -5,7 +5,7 @@
         make_job("demo", 2, provider="aws", zone=aws.zone, vpc_cidr=AWSTestServer.VPC_CIDR, ...)
 
 boto3 talks HTTP to moto's own server application; this is the only emulated part of speedrun's
-tests. Between the two sits a small WSGI layer doing three things, and only these:
+tests. Between the two sits a small WSGI layer doing four things, and only these:
 
 1. The placement-group calls, which moto 5.2 does not implement (CreatePlacementGroup,
    DescribePlacementGroups, DeletePlacementGroup), emulated in memory: RunInstances naming an
@@ -20,6 +20,10 @@ tests. Between the two sits a small WSGI layer doing three things, and only thes
    quota runs out; moto itself never runs out. Or (`garble`) with what no AWS endpoint sends but a
    proxy or load balancer on the way may: HTTP 502 with an HTML page that is not XML, which
    botocore cannot parse (ResponseParserError). The call then never reaches moto.
+4. The Price List API's GetProducts, which moto does not implement (no `pricing` service at
+   all): answered from the prices a test lists (`list_price`), in AWS's shape (PriceList: JSON
+   texts of products whose terms.OnDemand...pricePerUnit.USD is the price), for the filters
+   speedrun sends (instanceType, regionCode); nothing listed: an empty PriceList.
 
 The VPC range for tests is 198.51.100.0/24 (TEST-NET-2): speedrun gives zone i of the region the
 i-th /28 of it, which is network slot i of tests/netns.py, so the cluster's slot decides the zone
@@ -35,6 +39,7 @@ import contextlib
 import io
 import ipaddress
 import itertools
+import json
 import logging
 import re
 import sys
@@ -74,6 +79,7 @@ class AWSTestServer:
         self.booted: dict[str, NetnsHost] = {}  # instance id -> its host
         self.placement_of: dict[str, str] = {}  # instance id -> its placement group, until terminated
         self.calls: list[str] = []  # every action asked for, in order
+        self.listed: dict[tuple[str, str], float] = {}  # (region, instance type) -> on-demand $/h (GetProducts)
         self._lock = threading.Lock()
         self._server = None
         self._thread: threading.Thread | None = None
@@ -139,9 +145,14 @@ class AWSTestServer:
         HTML page that is not XML (the call does not reach moto)."""
         self.faults.append(Fault(action, None, None, None))
 
+    def list_price(self, instance_type: str, usd_per_hour: float, region: str = REGION) -> None:
+        """Have the Price List API list `instance_type`'s on-demand Linux price in `region`."""
+        self.listed[(region, instance_type)] = usd_per_hour
+
     def reset(self) -> None:
         """Forget faults and everything moto holds (a new account); booted hosts go down."""
         self.faults.clear()
+        self.listed.clear()
         self.placement_groups.clear()
         self.placement_of.clear()
         self.calls.clear()
@@ -156,7 +167,8 @@ class AWSTestServer:
         body = environ["wsgi.input"].read(int(environ.get("CONTENT_LENGTH") or 0))
         environ["wsgi.input"] = io.BytesIO(body)
         params = {k: v[0] for k, v in parse_qs(body.decode("utf-8", errors="replace")).items()}
-        action = params.get("Action", "")
+        # The JSON protocol's services (the Price List API) name the call in a header instead.
+        action = params.get("Action", "") or environ.get("HTTP_X_AMZ_TARGET", "").rpartition(".")[2]
         if action:
             self.calls.append(action)
         fault = next((f for f in self.faults if self._matches(f, action, params)), None)
@@ -168,6 +180,8 @@ class AWSTestServer:
             return self._error(start_response, fault.code, f"{fault.code} (injected by the test server)")
         if action in ("CreatePlacementGroup", "DescribePlacementGroups", "DeletePlacementGroup"):
             return self._placement_groups(action, params, start_response)
+        if action == "GetProducts":
+            return self._get_products(json.loads(body or b"{}"), start_response)
         if action == "RunInstances":
             group = params.get("Placement.GroupName")
             if group and group not in self.placement_groups:
@@ -268,6 +282,17 @@ class AWSTestServer:
         start_response("200 OK", [("Content-Type", "text/xml")])
         return [f'<?xml version="1.0" encoding="UTF-8"?><{action}Response xmlns="{EC2_NS}">'
                 f'<requestId>{uuid.uuid4()}</requestId>{body}</{action}Response>'.encode()]
+
+    def _get_products(self, request: dict[str, Any], start_response) -> list[bytes]:
+        terms = {f["Field"]: f["Value"] for f in request.get("Filters", []) if f.get("Type") == "TERM_MATCH"}
+        listed = [(region, itype, usd) for (region, itype), usd in self.listed.items()
+                  if terms.get("instanceType", itype) == itype and terms.get("regionCode", region) == region]
+        products = [json.dumps({
+            "product": {"attributes": {"instanceType": itype, "regionCode": region, "operatingSystem": "Linux"}},
+            "terms": {"OnDemand": {"T.JRTCKXETXF": {"priceDimensions": {"T.JRTCKXETXF.6YS6EN2CT7": {
+                "unit": "Hrs", "pricePerUnit": {"USD": f"{usd:.10f}"}}}}}}}) for region, itype, usd in listed]
+        start_response("200 OK", [("Content-Type", "application/x-amz-json-1.1")])
+        return [json.dumps({"FormatVersion": "aws_v1", "PriceList": products}).encode()]
 
     @staticmethod
     def _group_xml(g: dict[str, Any]) -> str:

@@ -261,3 +261,54 @@ def test_ablate_refuses_no_trick_a_run_directory_and_a_read_only_out(one_run, re
         assert proc.returncode == 2 and expected in proc.stderr, (args, proc.stderr)
         assert len(proc.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "a").exists() and sorted(p.name for p in one_run.iterdir()) == before
+
+
+@pytest.mark.slow
+def test_compare_by_cost_sorts_by_dollars_to_target_and_shows_what_each_run_cost(tiny_target_run, tmp_path):
+    import shutil
+
+    from speedrun.money import Price, cost_fields
+
+    # One real run, three ways: priced differently and reaching the target at other times.
+    made = {"r-fast": (30.0, Price("p5.48xlarge", "on-demand", 4, 10.0, "test")),
+            "r-cheap": (60.0, Price("g6e.xlarge", "spot", 2, 1.0, "test")),
+            "r-unpriced": (45.0, None)}
+    for name, (seconds, price) in made.items():
+        shutil.copytree(tiny_target_run.out, tmp_path / name)
+        data = results(tmp_path / name)
+        data.update(time_to_target_s=seconds, **cost_fields(price, seconds + 10.0, seconds))
+        (tmp_path / name / "results.json").write_text(json.dumps(data))
+    order = {}
+    for by in ("time", "cost"):
+        proc = speedrun("compare", *made, "--by", by, "--json", "--plot", f"{by}.png", cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        rows = json.loads(proc.stdout)
+        order[by] = [r["run"] for r in rows]
+        assert (tmp_path / f"{by}.png").read_bytes()[:4] == b"\x89PNG"
+    assert order["time"] == ["r-fast", "r-unpriced", "r-cheap"]
+    assert order["cost"] == ["r-cheap", "r-fast", "r-unpriced"]  # no price: after those with one
+    by_run = {r["run"]: r for r in rows}
+    assert by_run["r-fast"]["$ to target"] == "$0.3333" and by_run["r-fast"]["total $"] == "$0.4444"
+    assert by_run["r-cheap"]["$ to target"] == "$0.0333" and by_run["r-cheap"]["total $"] == "$0.0389"
+    assert by_run["r-unpriced"]["$ to target"] == "-" and by_run["r-unpriced"]["total $"] == "-"
+    bad = speedrun("compare", *made, "--by", "price", cwd=tmp_path)
+    assert bad.returncode == 2 and "invalid choice: 'price'" in bad.stderr
+
+
+def test_ablate_reports_each_tricks_effect_in_dollars_where_runs_have_a_price():
+    from speedrun.ablate import Plan, summarise, table
+    from speedrun.compare import RunSummary
+
+    def run(name: str, seed: int, seconds: float, usd: float | None) -> RunSummary:
+        return RunSummary(f"{name}/seed{seed}", None, "target_reached", {}, {"metric": "top1", "value": 0.9}, seconds,
+                          {"top1": 0.91}, None, 1, "cpu", seed, None, None, cost_to_target_usd=usd)
+    trick = next(iter(TRICKS))
+    plan = Plan(BUILTIN["tiny"], (trick,), 2, None)
+    runs = {(FULL, 0): run(FULL, 0, 100.0, 1.0), (FULL, 1): run(FULL, 1, 100.0, 2.0),
+            (trick, 0): run(trick, 0, 150.0, 1.5), (trick, 1): run(trick, 1, 120.0, 3.0)}
+    rows = {r["off"]: r for r in table(summarise(plan, runs))}
+    assert rows[FULL]["$ vs full"] == "1 (reference)" and rows[FULL]["$ to target"] == "$1.5"
+    assert rows[trick]["$ to target"] == "$2.25" and rows[trick]["$ vs full"] == "1.50x (1.50-1.50)"
+    assert rows[trick]["vs full"] == "1.35x (1.20-1.50)"
+    unpriced = {k: RunSummary(**{**vars(v), "cost_to_target_usd": None}) for k, v in runs.items()}
+    assert "$ to target" not in table(summarise(plan, unpriced))[0]  # no price: no dollar columns

@@ -57,7 +57,57 @@ def test_the_command_prints_each_imagenet_schedule_next_to_the_record(tmp_path):
     (["--project", "missing.json"], "no such file"),
     (["--project", "128=1000", "--gpus", "0"], "--gpus must be 1 or more"),
     (["--gpus", "8"], "go with --project"),
+    (["--machines", "p4d.24xlarge"], "go with --project"),
+    (["--count", "2"], "go with --project RATES --machines"),
+    (["--project", "A100:128=1000", "--machines", "p4d.24xlarge", "--count", "0"], "every count must be 1 or more"),
+    (["--project", "A100:128=1000", "--machines", "p4d.24xlarge,m9.huge"], "not a GPU machine type speedrun knows"),
+    (["--project", "A100:128=1000", "--machines", "p5.48xlarge"], "add --project H100:"),
+    (["--project", "128=1000", "--project", "224=500"], "--project once"),
 ])
 def test_bad_rates_are_one_line(tmp_path, monkeypatch, args, message):
     monkeypatch.chdir(tmp_path)  # where missing.json is not
     one_line_error(speedrun_here("recipes", "imagenet-1x8", *args), message)
+
+
+@pytest.fixture
+def no_aws(monkeypatch, tmp_path):
+    """No AWS access: no credentials anywhere boto3 looks, and no asking EC2's metadata service."""
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+
+
+def test_cost_projection_of_two_machine_types_marks_the_fastest_and_the_cheapest(tmp_path, no_aws):
+    recipe = tmp_path / "one_phase.py"
+    recipe.write_text("from speedrun.recipe import Phase, Recipe\n"
+                      "recipe = Recipe('one-phase', (Phase(0, 2, size=128, batch_size=256, lr=0.1),), "
+                      "dataset='imagefolder', world_size=8, eval_every=1)\n")
+    proc = speedrun_here("recipes", str(recipe), "--project", "A100:128=1000", "--project", "L40S:128=400",
+                         "--machines", "p4d.24xlarge,g6e.xlarge", "--count", "1,2")
+    assert proc.returncode == 0, proc.stderr
+    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
+            for line in proc.stdout.splitlines() if line.startswith("│")}
+    # By hand: 2 epochs of 1,281,167 images at 1000 images/s per A100 on 8 A100s (320.3 s) and two
+    # evaluations of 50,000 images at 3x that (4.2 s), plus 5 min start-up: 624.5 s = 10.4 min, at
+    # $21.96 an hour (the table's p4d.24xlarge): $3.81. One L40S at 400 images/s: 6405.8 + 83.3 +
+    # 300 s = 113.2 min at $1.861: $3.51; two: 59.1 min, 2 x $1.861: $3.66.
+    assert rows["1 x p4d.24xlarge"] == ["8 x A100", "$21.96 on-demand", "10.4", "$3.81", ""]
+    assert rows["2 x p4d.24xlarge"][2:] == ["7.7", "$5.64", "fastest"]
+    assert rows["1 x g6e.xlarge"] == ["1 x L40S", "$1.86 on-demand", "113.2", "$3.51", "cheapest"]
+    assert rows["2 x g6e.xlarge"][2:] == ["59.1", "$3.66", ""]
+    assert "projected, not measured" in proc.stdout and "5 min start-up" in proc.stdout
+    assert "scaling 1 of linear" in proc.stdout and "on-demand table of 2025-06" in proc.stdout
+    spot = speedrun_here("recipes", str(recipe), "--project", "A100:128=1000", "--machines", "p4d.24xlarge", "--spot")
+    assert spot.returncode == 0 and "no price" in spot.stdout and "no spot prices without AWS access" in spot.stdout
+
+
+def test_rates_are_matched_to_a_machine_types_gpu_by_label_or_by_the_summarys_device(tmp_path):
+    from speedrun.projection import rates_for, read_gpu_rates
+
+    summary = tmp_path / "summary.json"
+    summary.write_text(json.dumps({"device": "NVIDIA A100-SXM4-40GB", "images_per_s": {"128": 2000}}))
+    measured = [read_gpu_rates(str(summary)), read_gpu_rates("H100:128=3000")]
+    assert rates_for("A100", measured).at(128) == 2000 and rates_for("h100", measured).at(128) == 3000
+    assert rates_for("V100", measured) is None

@@ -19,7 +19,7 @@ import statistics
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -237,7 +237,8 @@ def run_on_job(job, out: str, plan: Plan, say: Callable[[str], None] = print) ->
 @dataclass
 class TrickResult:
     """One trick's effect over the seeds: time to target relative to the full recipe's (per seed,
-    where both reached it), how many seeds did not reach it, mean best top-1."""
+    where both reached it), how many seeds did not reach it, mean best top-1; and in dollars,
+    where the runs know their machines' price."""
 
     trick: str
     off: str
@@ -246,6 +247,8 @@ class TrickResult:
     seeds: int
     mean_time_s: float | None
     mean_best_top1: float | None
+    cost_ratios: list[float] = field(default_factory=list)  # $ to target / the full recipe's, per seed
+    mean_cost_usd: float | None = None  # mean $ to target over the seeds that reached it with a price
 
 
 def summarise(plan: Plan, runs: dict[tuple[str, int], RunSummary]) -> list[TrickResult]:
@@ -253,7 +256,7 @@ def summarise(plan: Plan, runs: dict[tuple[str, int], RunSummary]) -> list[Trick
     reached: they have no time)."""
     out = []
     for name in (FULL, *plan.tricks):
-        times, ratios, best, missed = [], [], [], 0
+        times, ratios, best, missed, costs, cost_ratios = [], [], [], 0, [], []
         for seed in range(plan.seeds):
             run, full = runs.get((name, seed)), runs.get((FULL, seed))
             t = run.time_to_target_s if run else None
@@ -265,9 +268,14 @@ def summarise(plan: Plan, runs: dict[tuple[str, int], RunSummary]) -> list[Trick
             times.append(t)
             if full and full.time_to_target_s:
                 ratios.append(t / full.time_to_target_s)
+            if run.cost_to_target_usd is not None:
+                costs.append(run.cost_to_target_usd)
+                if full and full.cost_to_target_usd:
+                    cost_ratios.append(run.cost_to_target_usd / full.cost_to_target_usd)
         out.append(TrickResult(name, "every trick on" if name == FULL else TRICKS[name].off, ratios, missed,
                                plan.seeds, statistics.mean(times) if times else None,
-                               statistics.mean(best) if best else None))
+                               statistics.mean(best) if best else None, cost_ratios,
+                               statistics.mean(costs) if costs else None))
     return out
 
 
@@ -282,23 +290,30 @@ def read_runs(out: Path, plan: Plan, live: bool = True) -> dict[tuple[str, int],
 
 
 def table(results: Sequence[TrickResult]) -> list[dict[str, str]]:
-    """Printable rows: time to target relative to the full recipe as mean and range over seeds."""
+    """Printable rows: time to target relative to the full recipe as mean and range over seeds;
+    the same in dollars when the runs have a price."""
+    priced = any(r.mean_cost_usd is not None for r in results)
     rows = []
     for r in results:
-        if r.trick == FULL:
-            relative = "1 (reference)"
-        elif r.ratios:
-            spread = f" ({min(r.ratios):.2f}-{max(r.ratios):.2f})" if len(r.ratios) > 1 else ""
-            relative = f"{statistics.mean(r.ratios):.2f}x{spread}"
-        else:
-            relative = "-"
-        rows.append({
-            "off": r.trick, "what off means": r.off,
-            "time to target": f"{r.mean_time_s:.1f} s" if r.mean_time_s is not None else "-",
-            "vs full": relative, "not reached": f"{r.not_reached}/{r.seeds}",
-            "best top1": f"{100 * r.mean_best_top1:.2f}%" if r.mean_best_top1 is not None else "-",
-        })
+        row = {"off": r.trick, "what off means": r.off,
+               "time to target": f"{r.mean_time_s:.1f} s" if r.mean_time_s is not None else "-",
+               "vs full": relative(r.trick, r.ratios), "not reached": f"{r.not_reached}/{r.seeds}",
+               "best top1": f"{100 * r.mean_best_top1:.2f}%" if r.mean_best_top1 is not None else "-"}
+        if priced:
+            row["$ to target"] = f"${r.mean_cost_usd:.4g}" if r.mean_cost_usd is not None else "-"
+            row["$ vs full"] = relative(r.trick, r.cost_ratios)
+        rows.append(row)
     return rows
+
+
+def relative(trick: str, ratios: list[float]) -> str:
+    """A trick's ratios to the full recipe (per seed) as their mean and range."""
+    if trick == FULL:
+        return "1 (reference)"
+    if not ratios:
+        return "-"
+    spread = f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else ""
+    return f"{statistics.mean(ratios):.2f}x{spread}"
 
 
 def default_out(recipe: Recipe) -> Path:

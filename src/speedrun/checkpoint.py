@@ -41,6 +41,10 @@ class RunState:
     # before these fields have neither; `classes` is None for data without class names.
     classes: list[str] | None = None  # class names in label order (an image folder's folders)
     num_classes: int | None = None
+    # What the machines cost (speedrun.money.Price as a dict): the latest process's, kept for a
+    # resume that is given none. None: unknown.
+    price: dict[str, Any] | None = None
+    lost_s_at_target: float | None = None  # seconds interruptions had lost when the target was reached
 
     def record_classes(self, source: Any) -> None:
         """Note the labels of `source` (a DataSource) that the weights are trained on."""

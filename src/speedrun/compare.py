@@ -3,7 +3,8 @@
 A run directory says what ran and how it went in results.json (rewritten after every evaluation
 while the run goes on, status "running") and metrics.jsonl (one record per evaluation). This
 module reads them, lists the recipe fields that differ between the runs, sorts the runs by time to
-target, and overlays their accuracy against wall time in one plot. A job's runs are read from its
+target (or by $ to target: `by="cost"`), and overlays their accuracy against wall time (or
+against $ spent) in one plot. A job's runs are read from its
 hosts first (the two small files of each run, never the checkpoints).
 """
 from __future__ import annotations
@@ -39,7 +40,9 @@ class RunSummary:
     device: str | None
     seed: int | None
     images_per_s: float | None  # mean over the evaluated epochs
-    cost_usd: float | None  # where the run's provider knows it
+    cost_usd: float | None  # $ to the end, where the run knows its machines' price (speedrun.money)
+    cost_to_target_usd: float | None = None  # $ to the target, likewise
+    usd_per_s: float | None = None  # what all its machines cost per second of wall time ($)
     evals: list[dict] = field(default_factory=list)
 
 
@@ -72,13 +75,19 @@ class Comparison:
                 "images/s": f"{r.images_per_s:,.0f}" if r.images_per_s else "-",
             })
             if any(run.cost_usd is not None for run in self.runs):
-                row["cost"] = f"${r.cost_usd:.2f}" if r.cost_usd is not None else "-"
+                row["$ to target"] = (_usd(r.cost_to_target_usd) if r.cost_to_target_usd is not None
+                                      else row["time to target"] if r.time_to_target_s is None else "-")
+                row["total $"] = _usd(r.cost_usd)
             out.append(row)
         return out
 
 
 def _pct(x: float | None) -> str:
     return f"{100 * x:.2f}%" if x is not None else "-"
+
+
+def _usd(x: float | None) -> str:
+    return "-" if x is None else f"${x:,.2f}" if x >= 0.995 else f"${x:.4f}"
 
 
 def read_run(path: str | os.PathLike, label: str | None = None, live: bool = True) -> RunSummary:
@@ -108,12 +117,15 @@ def read_run(path: str | os.PathLike, label: str | None = None, live: bool = Tru
     if status == "running" and live and not rundir.in_use(path):
         status = "stopped"
     speeds = [e["images_per_s"] for e in evals if _is_number(e.get("images_per_s"))]
+    price = results.get("price")
     return RunSummary(
         label=label or str(path), path=path, status=status, recipe=results.get("recipe") or {},
         target=results.get("target"), time_to_target_s=results.get("time_to_target_s"),
         best=results.get("best") or {}, final=results.get("final"), world_size=results.get("world_size"),
         device=results.get("device"), seed=results.get("seed"),
-        images_per_s=sum(speeds) / len(speeds) if speeds else None, cost_usd=results.get("cost_usd"), evals=evals,
+        images_per_s=sum(speeds) / len(speeds) if speeds else None, cost_usd=results.get("cost_usd"),
+        cost_to_target_usd=results.get("cost_to_target_usd"),
+        usd_per_s=price["machines"] * price["usd_per_hour"] / 3600 if price else None, evals=evals,
     )
 
 
@@ -121,6 +133,7 @@ def read_run(path: str | os.PathLike, label: str | None = None, live: bool = Tru
 RESULT_FIELDS: dict[str, tuple[type, ...]] = {
     "status": (str,), "recipe": (dict,), "target": (dict,), "time_to_target_s": (int, float), "best": (dict,),
     "final": (dict,), "world_size": (int,), "device": (str,), "seed": (int,), "cost_usd": (int, float),
+    "cost_to_target_usd": (int, float), "price": (dict,),
 }
 
 
@@ -147,6 +160,9 @@ def check_results(results: Any, where: Path) -> None:
     target = results.get("target")
     if target is not None and not (isinstance(target.get("metric"), str) and _is_number(target.get("value"))):
         raise bad("target", target)
+    price = results.get("price")
+    if price is not None and not (_is_number(price.get("machines")) and _is_number(price.get("usd_per_hour"))):
+        raise bad("price", price)
     phases = (results.get("recipe") or {}).get("phases")
     if phases is not None and not (isinstance(phases, list) and all(isinstance(p, dict) for p in phases)):
         raise bad("recipe.phases", phases)
@@ -186,25 +202,37 @@ def differing_fields(recipes: Sequence[dict[str, Any]]) -> list[str]:
     return [k for k in keys if len({f.get(k, "-") for f in flats}) > 1]
 
 
-def compare(runs: Sequence[RunSummary], plot: str | os.PathLike | None = None) -> Comparison:
-    """The runs sorted (reached the target first, fastest first; then by best top-1), the recipe
-    fields that differ, and, with `plot`, a PNG of top-1 against wall time for all of them (a plot
-    that cannot be written is `plot_error`, one line: the table does not depend on it)."""
+SORT_BY = ("time", "cost")
+
+
+def compare(runs: Sequence[RunSummary], plot: str | os.PathLike | None = None, by: str = "time") -> Comparison:
+    """The runs sorted (reached the target first, fastest first, or with by="cost" cheapest first,
+    runs without a price after those with one; then by best top-1), the recipe fields that
+    differ, and, with `plot`, a PNG of top-1 against wall time for all of them, or against $
+    spent (by="cost": the runs with a price). A plot that cannot be written is `plot_error`, one
+    line: the table does not depend on it."""
     if not runs:
         raise SpeedrunError("no runs to compare")
-    ordered = sorted(runs, key=lambda r: (r.time_to_target_s is None, r.time_to_target_s or 0.0,
-                                          -r.best.get("top1", 0.0), r.label))
+    if by not in SORT_BY:
+        raise SpeedrunError(f"--by {by!r}: sort by {' or '.join(SORT_BY)}")
+    if by == "cost":
+        ordered = sorted(runs, key=lambda r: (r.time_to_target_s is None, r.cost_to_target_usd is None,
+                                              r.cost_to_target_usd or 0.0, -r.best.get("top1", 0.0), r.label))
+    else:
+        ordered = sorted(runs, key=lambda r: (r.time_to_target_s is None, r.time_to_target_s or 0.0,
+                                              -r.best.get("top1", 0.0), r.label))
     result = Comparison(ordered, differing_fields([r.recipe for r in ordered]))
     if plot is not None:
         try:
-            result.plot = plot_runs(ordered, Path(plot))
+            result.plot = plot_runs(ordered, Path(plot), by)
         except OSError as e:
             result.plot_error = f"plot not written: {e.filename or plot}: {e.strerror or e}"
     return result
 
 
-def plot_runs(runs: Sequence[RunSummary], path: Path) -> Path:
-    """Top-1 against wall time (minutes from process start), one line per run."""
+def plot_runs(runs: Sequence[RunSummary], path: Path, by: str = "time") -> Path:
+    """Top-1 against wall time (minutes from process start), or by="cost" against $ spent by then
+    (the runs with a price), one line per run."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -212,15 +240,16 @@ def plot_runs(runs: Sequence[RunSummary], path: Path) -> Path:
 
     fig, ax = plt.subplots(figsize=(9, 5))
     for r in runs:
-        if r.evals:
-            ax.plot([e["wall_s"] / 60 for e in r.evals], [100 * e["top1"] for e in r.evals], marker="o", markersize=3,
-                    label=r.label)
+        if r.evals and (by == "time" or r.usd_per_s is not None):
+            x = [e["wall_s"] / 60 if by == "time" else e["wall_s"] * r.usd_per_s for e in r.evals]
+            ax.plot(x, [100 * e["top1"] for e in r.evals], marker="o", markersize=3, label=r.label)
     targets = {json.dumps(r.target, sort_keys=True) for r in runs if r.target}
     if len(targets) == 1:
         target = json.loads(targets.pop())
         if target["metric"] == "top1":
             ax.axhline(100 * target["value"], color="gray", linestyle="--", label="target")
-    ax.set_xlabel("wall time since process start (min)")
+    ax.set_xlabel("wall time since process start (min)" if by == "time"
+                  else "machine cost since process start, $ (runs with a price; interruptions not counted)")
     ax.set_ylabel("validation top-1 (%)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="lower right")

@@ -5,6 +5,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from speedrun.money import Price
 from speedrun.recipe import Recipe
 
 
@@ -31,6 +32,7 @@ class TrainConfig:
     sync_bn: bool = False  # synchronise BatchNorm statistics across ranks
     bucket_cap_mb: float = 25.0  # DDP gradient bucket size
     bf16_grads: bool = False  # compress gradients to bf16 for the all-reduce (CUDA only)
+    price: Price | None = None  # what the machines cost (speedrun.money: given by the job layer), None: unknown
     precision: str = "auto"  # "auto" (see learner.choose_precision), "bf16", "fp16" or "fp32"
     process_start: float = field(default_factory=time.time)  # wall clock when the process began
 

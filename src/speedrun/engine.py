@@ -57,6 +57,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                     return already_complete(cfg.out, state, ctx)
                 if ctx.is_main:  # before the tracker cuts the log back to the checkpoint
                     state.interruptions.append(interruption(cfg.out, state, cfg.process_start))
+            if cfg.price is not None:  # a resume on other machines (a recovery) costs their price
+                state.price = dataclasses.asdict(cfg.price)
             state.record_classes(source)  # for `speedrun eval` to check other data against
             tracker = Tracker(cfg.out, enabled=ctx.is_main, resume_step=state.step if cfg.resume else None)
             try:
@@ -177,7 +179,7 @@ def run_epochs(
             clock.record()
             results = build_results(cfg, ctx, source, state, evals, status, clock.session_start, learner.precision)
             results["last_checkpoint"] = writer.last_written  # complete on disk; None: none
-            results.update(recovery_costs(out, results["lost_s"]))
+            results.update(recovery_costs(out, results["lost_s"], state.price))
             try:
                 tracker.write_results(results)
                 tracker.plot(evals, dataclasses.asdict(recipe.target) if recipe.target else None)
@@ -232,6 +234,7 @@ def note_evaluation(recipe: Recipe, phase: Phase, epoch: int, metrics: dict, spe
         state.time_to_target_s = state.startup_s + state.train_s
         state.time_to_target_from_first_step_s = state.train_s
         state.target_epoch = epoch + 1
+        state.lost_s_at_target = sum(i["wall_s_lost"] for i in state.interruptions)
         tracker.print(
             f"target {recipe.target} reached at epoch {epoch + 1}: {state.time_to_target_s:.1f}s from process "
             f"start, {state.time_to_target_from_first_step_s:.1f}s from the first step"

@@ -19,7 +19,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "compare", help="compare runs: a table of what differs and how they did, and one accuracy plot",
         description="One table of the runs (recipe fields that differ, device, time to target, best and final "
-        "top-1, images/s), sorted by time to target, and a PNG overlaying their accuracy against wall time. "
+        "top-1, images/s, and $ to target and total $ where runs know their machines' price), sorted by time "
+        "(or $) to target, and a PNG overlaying their accuracy against wall time (or $ spent). "
         "Each argument is a run directory, a directory holding runs (an ablation), or a job's name (its runs "
         "are read from its hosts). Runs still going are shown as they are.",
     )
@@ -27,6 +28,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plot", type=Path, default=Path("compare.png"), metavar="FILE",
                    help="where the accuracy plot goes (default: compare.png; one that cannot be written is skipped, "
                    "the table is printed all the same)")
+    p.add_argument("--by", choices=("time", "cost"), default="time",
+                   help="sort by time to target (default) or by $ to target, and plot accuracy against wall time or "
+                   "against $ spent (runs whose machines' price is known: results.json's price)")
     as_data = p.add_mutually_exclusive_group()
     as_data.add_argument("--json", action="store_true", help="print the table as a JSON list of rows, for scripts")
     as_data.add_argument("--csv", action="store_true", help="print the table as CSV with a header line, for scripts")
@@ -63,7 +67,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     runs, skipped = read_compare_args(args.runs, note)
     if not runs:
         raise SpeedrunError("nothing to compare: " + "; ".join(skipped))
-    result = compare(runs, args.plot)
+    result = compare(runs, args.plot, args.by)
     rows = result.rows()
     if args.json:
         print(json.dumps(rows, indent=1))

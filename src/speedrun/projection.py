@@ -12,15 +12,21 @@ schedule needs, if the run goes at the measured pace:
   nearest measured sizes.
 
 Not counted: start-up, torch.compile, data pre-warming (also left out of the 2018 clock).
+
+What a schedule costs on a machine type (`project_cost`): its projected time plus a start-up
+allowance (machines booting, code and data arriving), times the machines, times their price per
+hour. Each machine type's GPUs train at the rates measured on that GPU (`rates_for`).
 """
 from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from speedrun.errors import SpeedrunError
+from speedrun.money import Price
 from speedrun.recipe import Recipe
 
 IMAGENET_TRAIN_IMAGES = 1_281_167
@@ -51,6 +57,27 @@ class Rates:
         (a, ra), (b, rb) = sorted((s, self.images_per_s[s]) for s in sizes)
         k = math.log(ra / rb) / math.log(b / a)
         return ra * (a / size) ** k
+
+
+def read_gpu_rates(spec: str) -> tuple[str | None, Rates]:
+    """`--project [GPU:]RATES`: the GPU the rates were measured on (as named in machine types:
+    H100, A100...; None: take it from a summary's device) and the rates (read_rates)."""
+    gpu, sep, rest = spec.partition(":")
+    if sep and gpu.isalnum() and not Path(spec).exists():
+        return gpu, read_rates(rest)
+    return None, read_rates(spec)
+
+
+def rates_for(gpu: str, measured: list[tuple[str | None, Rates]]) -> Rates | None:
+    """The rates measured on `gpu` (a machine type's GPU: "H100"): those labelled so, else those
+    whose device names it ("NVIDIA H100 80GB HBM3"); None when none were."""
+    for label, rates in measured:
+        if (label or "").lower() == gpu.lower():
+            return rates
+    for label, rates in measured:
+        if label is None and re.search(rf"\b{re.escape(gpu)}\b", rates.device, re.IGNORECASE):
+            return rates
+    return None
 
 
 def read_rates(spec: str) -> Rates:
@@ -92,6 +119,46 @@ class Projection:
     @property
     def total_s(self) -> float:
         return self.train_s + self.eval_s
+
+
+@dataclass(frozen=True)
+class MachineType:
+    """A machine type as projections need it: its GPUs and what one machine costs (None: unknown)."""
+
+    name: str  # e.g. "p4d.24xlarge"
+    gpus: int  # GPUs per machine
+    gpu: str  # which GPU, as rates are labelled: "A100"
+    price: Price | None  # one machine's price
+
+
+@dataclass(frozen=True)
+class CostProjection:
+    """A schedule on `machines` machines of a type: projected wall time (seconds, start-up
+    included) and $ (None without a price)."""
+
+    machine: MachineType
+    machines: int
+    projection: Projection
+    startup_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.projection.total_s + self.startup_s
+
+    @property
+    def usd(self) -> float | None:
+        m = self.machine
+        return None if m.price is None else self.machines * m.price.usd_per_hour * self.total_s / 3600
+
+
+def project_cost(recipe: Recipe, rates: Rates, machine: MachineType, machines: int, scaling: float = 1.0,
+                 startup_s: float = 0.0) -> CostProjection:
+    """`recipe` on `machines` x `machine` (machines x its GPUs, at `rates`), with `startup_s`
+    seconds of start-up on top, and what that costs at the machine's price."""
+    if machines < 1 or startup_s < 0:
+        raise SpeedrunError(f"--count must be 1 or more and --startup-min 0 or more, got {machines} and "
+                            f"{startup_s / 60:g}")
+    return CostProjection(machine, machines, project(recipe, rates, machines * machine.gpus, scaling), startup_s)
 
 
 def project(recipe: Recipe, rates: Rates, gpus: int | None = None, scaling: float = 1.0,

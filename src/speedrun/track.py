@@ -33,6 +33,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 import speedrun
 from speedrun import files
 from speedrun.errors import SpeedrunError
+from speedrun.money import Price, cost_fields
 
 if TYPE_CHECKING:  # types only: the loop hands these in
     from speedrun.checkpoint import RunState
@@ -216,6 +217,7 @@ def build_results(
     """results.json: what ran, where, how fast, how well (docs/training.md lists the fields)."""
     recipe = cfg.recipe
     final = evals[-1] if evals else None
+    total_s, lost_s = state.startup_s + state.train_s, sum(i["wall_s_lost"] for i in state.interruptions)
     return {
         # running (written after each evaluation), target_reached, finished, stopped, interrupted or failed
         "status": status,
@@ -225,12 +227,12 @@ def build_results(
         "time_to_target_s": state.time_to_target_s,
         "time_to_target_from_first_step_s": state.time_to_target_from_first_step_s,
         "target_epoch": state.target_epoch,
-        "total_s": state.startup_s + state.train_s,
+        "total_s": total_s,
         "startup_s": state.startup_s,
         "epochs_run": state.epoch,
         "steps": state.step,
         "interruptions": state.interruptions,  # one per resume: steps redone, seconds lost
-        "lost_s": sum(i["wall_s_lost"] for i in state.interruptions),
+        "lost_s": lost_s,
         "best": state.best,
         "final": final,
         "world_size": ctx.world_size,
@@ -245,15 +247,22 @@ def build_results(
         "cpu_fallbacks": source.cpu_fallbacks(),  # --loader gpu: images decoded on the CPU instead
         "versions": {"speedrun": speedrun.__version__, "torch": torch.__version__, "python": platform.python_version()},
         "session_s": time.time() - session_start,
+        # What it cost: the run's time and what interruptions lost, at the machines' price.
+        **cost_fields(Price.from_dict(state.price) if state.price else None, total_s + lost_s,
+                      state.time_to_target_s + (state.lost_s_at_target or 0.0)
+                      if state.time_to_target_s is not None else None),
     }
 
 
-def recovery_costs(out: Path, lost_s: float) -> dict[str, Any]:
+def recovery_costs(out: Path, lost_s: float, price: dict[str, Any] | None = None) -> dict[str, Any]:
     """The final results' `recoveries` and `lost_usd`: what `speedrun launch --recover` did to
     keep the run going (speedrun.cluster.recovery), and what the time lost (`lost_s`) cost at
-    the machines' price when the watcher knew it."""
+    the run's `price` (a speedrun.money.Price as a dict), else at the machines' price when the
+    watcher knew it."""
     recoveries = out / "recoveries.jsonl"
     done = read_jsonl(recoveries) if recoveries.exists() else []
+    if price is not None:
+        return {"recoveries": done, "lost_usd": Price.from_dict(price).cost(lost_s)}
     prices = [r["price_per_hour"] for r in done if r.get("price_per_hour") is not None]
     return {"recoveries": done, "lost_usd": lost_s * prices[-1] / 3600 if prices else None}
 

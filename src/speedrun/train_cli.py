@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from speedrun.config import absolute_data
-from speedrun.console import print_table
+from speedrun.console import output_console, print_table
 from speedrun.data.kinds import LOADERS
 from speedrun.errors import EXIT_FAILED, EXIT_RESUMABLE, SpeedrunError
 from speedrun.local_launch import launch_local_processes, process_start_time, strip_option
@@ -112,13 +112,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("name", nargs="?", help="a built-in recipe name or a recipe .py file")
     p.add_argument("--data", default=None, metavar="PATH",
                    help=f"the image folder a fitted recipe ({', '.join(FITTED)}) is fitted to")
-    p.add_argument("--project", metavar="RATES",
+    p.add_argument("--project", metavar="[GPU:]RATES", action="append", default=[],
                    help="projected wall time of the recipe (without a name: of each ImageNet schedule) from training "
-                   "images/s per GPU by size: 128=10842,224=4702,288=2900 or a GPU check's summary .json")
+                   "images/s per GPU by size: 128=10842,224=4702,288=2900 or a GPU check's summary .json; with "
+                   "--machines, once per GPU kind, named as in the machine types (H100:128=...) or by the summary")
     p.add_argument("--gpus", type=int, default=None,
                    help="with --project: GPUs (default: as many as the recipe was written for)")
     p.add_argument("--scaling", type=float, default=1.0,
                    help="with --project: the fraction of linear speed-up kept across GPUs (default 1.0)")
+    p.add_argument("--machines", metavar="TYPE[,TYPE...]",
+                   help="with --project: time and $ to the target on these AWS machine types (their GPUs and prices: "
+                   "the Price List API or speedrun's table; spot: the spot price history, with AWS credentials)")
+    p.add_argument("--count", metavar="N[,N...]",
+                   help="with --machines: machines of each type (default: the recipe's GPUs over the type's)")
+    p.add_argument("--spot", action="store_true", help="with --machines: at spot prices")
+    p.add_argument("--startup-min", type=float, default=5.0,
+                   help="with --machines: minutes of start-up each run pays for on top (machines booting, code and "
+                   "data arriving; default 5)")
     p.set_defaults(func=cmd_recipes)
 
 
@@ -143,6 +153,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from speedrun.dist import pick_device
     from speedrun.config import TrainConfig
     from speedrun.engine import train
+    from speedrun.money import price_from_env
     from speedrun.learner import check_device_options
 
     cfg = TrainConfig(
@@ -165,6 +176,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         sync_bn=args.sync_bn,
         bucket_cap_mb=args.bucket_cap_mb,
         bf16_grads=args.bf16_grads,
+        price=price_from_env(),  # what the job layer says the machines cost (speedrun launch)
         process_start=process_start_time(),
     )
     check_device_options(cfg, pick_device(cfg.device))
@@ -244,11 +256,15 @@ def cmd_tune_host(args: argparse.Namespace) -> int:
 
 
 def cmd_recipes(args: argparse.Namespace) -> int:
-    console = Console()
+    console = output_console()  # piped to a file or a program: never cut to 80 columns
+    if args.project and args.machines:
+        return print_cost_projection(console, args)
+    if args.count or args.spot or args.startup_min != 5.0:
+        raise SpeedrunError("--count, --spot and --startup-min go with --project RATES --machines TYPE")
     if args.project:
         return print_projection(console, args)
-    if args.gpus is not None or args.scaling != 1.0:
-        raise SpeedrunError("--gpus and --scaling go with --project RATES")
+    if args.gpus is not None or args.scaling != 1.0 or args.machines:
+        raise SpeedrunError("--gpus, --scaling and --machines go with --project RATES")
     if args.name is None:
         table = Table("name", "model", "dataset", "devices", "epochs", "target", box=None)
         for r in BUILTIN.values():
@@ -276,11 +292,10 @@ def print_projection(console: Console, args: argparse.Namespace) -> int:
     next to the 2018 record's and MLPerf's (speedrun.projection)."""
     from speedrun.projection import MLPERF_H200_MINUTES, RECORD_MINUTES, project, read_rates
 
-    rates = read_rates(args.project)
-    if args.name is None:
-        recipes = [r for name, r in BUILTIN.items() if name in RECORD_MINUTES]
-    else:
-        recipes = [recipe_for(args.name, args.data) if args.data or args.name not in FITTED else BUILTIN[args.name]]
+    if len(args.project) > 1:
+        raise SpeedrunError("--project once (rates of one GPU), or once per GPU kind with --machines")
+    rates = read_rates(args.project[0])
+    recipes = projected_recipes(args)
     sizes = ", ".join(f"{s} px {r:,.0f}" for s, r in sorted(rates.images_per_s.items()))
     console.print(f"projected on {rates.device}: training images/s per GPU {sizes}; scaling {args.scaling:g}; "
                   "ImageNet-1k (1,281,167 training, 50,000 validation images); start-up and compilation not counted")
@@ -295,6 +310,75 @@ def print_projection(console: Console, args: argparse.Namespace) -> int:
     console.print("MLPerf v4.0, 8 x H200 (NVIDIA; 75.9% top-1, a little easier than 93% top-5): "
                   f"{MLPERF_H200_MINUTES} min")
     return 0
+
+
+def projected_recipes(args: argparse.Namespace) -> list:
+    """The recipe named, or without a name each ImageNet schedule of the 2018 record."""
+    from speedrun.projection import RECORD_MINUTES
+
+    if args.name is None:
+        return [r for name, r in BUILTIN.items() if name in RECORD_MINUTES]
+    return [recipe_for(args.name, args.data) if args.data or args.name not in FITTED else BUILTIN[args.name]]
+
+
+def print_cost_projection(console: Console, args: argparse.Namespace) -> int:
+    """`speedrun recipes [NAME] --project [GPU:]RATES... --machines TYPE,... [--count N,...] [--spot]`:
+    each schedule's projected minutes and $ on each machine type and count, the fastest and the
+    cheapest marked, with the assumptions (speedrun.projection.project_cost)."""
+    from speedrun.cluster.aws.pricing import gpus_of, offer_prices
+    from speedrun.projection import EVAL_SPEEDUP, MachineType, project_cost, rates_for, read_gpu_rates
+
+    if args.gpus is not None:
+        raise SpeedrunError("--gpus goes with --project alone; with --machines give --count")
+    measured = [read_gpu_rates(spec) for spec in args.project]
+    counts = parse_counts(args.count)
+    names = [t.strip() for t in args.machines.split(",") if t.strip()]
+    unknown = [t for t in names if gpus_of(t) is None]
+    if unknown or not names:
+        from speedrun.cluster.aws.pricing import INSTANCE_TYPES
+        raise SpeedrunError(f"--machines {args.machines!r}: not a GPU machine type speedrun knows "
+                            f"({', '.join(unknown) or 'none given'}); known: {', '.join(INSTANCE_TYPES['gpus'])}")
+    prices, price_note = offer_prices(names, args.spot)
+    types = [MachineType(t, *gpus_of(t), prices[t]) for t in names]
+    console.print(f"assumptions: scaling {args.scaling:g} of linear across GPUs; evaluation {EVAL_SPEEDUP:g}x the "
+                  f"training rate (forward only); {args.startup_min:g} min start-up per run, billed; ImageNet-1k "
+                  f"(1,281,167 training, 50,000 validation images). Prices: {price_note}")
+    for recipe in projected_recipes(args):
+        rows, options = [], []
+        for m in types:
+            rates = rates_for(m.gpu, measured)
+            if rates is None:
+                raise SpeedrunError(f"{m.name} has {m.gpu} GPUs and no rates were given for them: "
+                                    f"add --project {m.gpu}:SIZE=IMAGES_PER_S,... or a GPU check's summary from one")
+            for n in counts or [max(1, -(-recipe.world_size // m.gpus))]:
+                options.append(project_cost(recipe, rates, m, n, args.scaling, args.startup_min * 60))
+        fastest = min(options, key=lambda o: o.total_s)
+        priced = [o for o in options if o.usd is not None]
+        cheapest = min(priced, key=lambda o: o.usd) if priced else None
+        for o in options:
+            p = o.machine.price
+            mark = " ".join(w for w, hit in (("fastest", o is fastest), ("cheapest", o is cheapest)) if hit)
+            rows.append({"machines": f"{o.machines} x {o.machine.name}",
+                         "GPUs": f"{o.projection.gpus} x {o.machine.gpu}",
+                         "$/h each": f"${p.usd_per_hour:,.2f} {p.market}" if p else "no price",
+                         "projected min": f"{o.total_s / 60:.1f}",
+                         "projected $": f"${o.usd:,.2f}" if o.usd is not None else "-", "": mark})
+        console.print(f"[bold]{recipe.name}[/bold] (projected, not measured):")
+        print_table(console, rows, boxed=True)
+    return 0
+
+
+def parse_counts(text: str | None) -> list[int]:
+    """`--count 1,2,4` as numbers of machines (each 1 or more); [] when not given."""
+    if not text:
+        return []
+    try:
+        counts = [int(c) for c in text.split(",")]
+    except ValueError:
+        raise SpeedrunError(f"--count {text!r}: give machine counts, e.g. 1,2,4") from None
+    if any(c < 1 for c in counts):
+        raise SpeedrunError(f"--count {text!r}: every count must be 1 or more")
+    return counts
 
 
 __all__ = ["register"]

@@ -52,6 +52,7 @@ def live(instances: list[dict]) -> list[dict]:
 
 @pytest.mark.slow
 def test_two_instances_train_end_to_end_and_go_down(aws, efs_mount, job_name):
+    aws.list_price("c5.large", 0.0891)  # the Price List API's price (the table's is 0.085)
     job = make_job(job_name, 2, **options(aws, shared_storage=True, efs_mount=efs_mount))
     instances = sorted(live(job_instances(aws, job_name)),
                        key=lambda i: int(aws_provider.tag_value(i, "speedrun:task")))
@@ -69,6 +70,15 @@ def test_two_instances_train_end_to_end_and_go_down(aws, efs_mount, job_name):
     results = job.wait(timeout=600)
     assert [r.status for r in results] == [0, 0]
     check_trained(job.run_dir, 2)
+    # What the run cost: 2 machines x the listed price x its hours, within a second's worth.
+    run = json.loads(Path(job.run_dir, "results.json").read_text())
+    price = run["price"]
+    assert (price["machine_type"], price["market"], price["machines"], price["usd_per_hour"]) == (
+        "c5.large", "on-demand", 2, 0.0891)
+    assert price["source"].startswith("AWS Price List API, ")
+    assert run["billed_s"] == pytest.approx(run["total_s"] + run["lost_s"])
+    assert abs(run["cost_usd"] - 2 * 0.0891 * run["billed_s"] / 3600) <= 2 * 0.0891 / 3600
+    assert run["machine_hours"] == pytest.approx(2 * run["billed_s"] / 3600)
 
     assert main(["down", job_name]) == 0
     assert live(job_instances(aws, job_name)) == []
@@ -391,9 +401,13 @@ def test_an_instance_terminated_mid_run_is_replaced_in_another_zone_and_the_run_
         assert event["replaced"] == {"1": [f"root@{old['PrivateIpAddress']}", f"root@{new['PrivateIpAddress']}"]}
         results = json.loads(Path(job.run_dir, "results.json").read_text())
         assert results["status"] == "finished" and results["epochs_run"] == 8 and len(results["recoveries"]) == 1
-        # What the loss cost at two c5.large's on-demand price, $0.17 an hour.
+        # What the loss cost at two c5.large's on-demand price, $0.17 an hour (the table's: the Price
+        # List API lists none here), and the run's cost includes it.
         assert results["recoveries"][0]["price_per_hour"] == pytest.approx(0.17)
         assert results["lost_usd"] == pytest.approx(results["lost_s"] * 0.17 / 3600) and results["lost_usd"] > 0
+        assert results["price"]["source"].startswith("on-demand table of ")
+        assert results["billed_s"] == pytest.approx(results["total_s"] + results["lost_s"])
+        assert results["cost_usd"] == pytest.approx(0.17 * (results["total_s"] + results["lost_s"]) / 3600)
     finally:
         main(["down", job_name])
 

@@ -80,12 +80,18 @@ def speedrun(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 def test_two_hosts_train_from_the_cli(netns, shared_dir, job_name, capsys):
     ssh = ["--hosts", ",".join(netns.specs), "--identity", str(netns.client_key),
            "--known-hosts", str(netns.known_hosts), "--run-root", str(shared_dir / "cli-runs")]
-    r = speedrun("launch", job_name, *ssh, "--env", "OMP_NUM_THREADS=1", "--follow", "--", *TRAIN, "--out", "{run_dir}")
+    r = speedrun("launch", job_name, *ssh, "--env", "OMP_NUM_THREADS=1", "--price-per-hour", "1.25", "--follow",
+                 "--", *TRAIN, "--out", "{run_dir}")
     assert r.returncode == 0, r.stderr
     run_dir = r.stdout.split("run dir ", 1)[1].split(":", 1)[0]
     assert run_dir == str(shared_dir / "cli-runs" / job_name / "run.01")
     assert re.search(r"^\[0\] " + last_epoch(), r.stdout, re.M)  # --follow printed task 0's log
     check_trained(run_dir, 2)
+    # Owned machines at the price the user gave: what the run cost is in its results.
+    results = json.loads(Path(run_dir, "results.json").read_text())
+    assert results["price"] == {"machine_type": "ssh host", "market": "given", "machines": 2, "usd_per_hour": 1.25,
+                                "source": "given with --price-per-hour"}
+    assert results["cost_usd"] == pytest.approx(2 * 1.25 * results["billed_s"] / 3600)
 
     # The other commands in this process (`speedrun` costs seconds to start: it imports torch).
     assert main(["ls", job_name]) == 0

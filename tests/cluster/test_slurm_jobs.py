@@ -180,8 +180,8 @@ def test_a_two_node_job_trains_and_ls_shows_slurms_state_next_to_speedruns(in_cl
 
 def test_a_requeue_mid_run_resumes_at_the_step_it_stopped_with_every_loss_equal(in_cluster, recipe, reference,
                                                                               tmp_path, capsys):
-    run = launch(capsys, "requeued", tmp_path, "-n", "2", *ONE_THREAD, "--", *TRAIN, "--recipe", str(recipe),
-                 "--deterministic", "--log-every", "1")
+    run = launch(capsys, "requeued", tmp_path, "-n", "2", *ONE_THREAD, "--price-per-hour", "3.5", "--", *TRAIN,
+                 "--recipe", str(recipe), "--deterministic", "--log-every", "1")
     wait_for(lambda: steps_logged(run) >= 60, 600, "60 steps")
     job_id = (run / "slurm" / "job_id").read_text().strip()
     assert f"epoch   1/{EPOCHS}" in attached_view("requeued", 0, f"speedrun-{job_id}")  # rank 0's log, live
@@ -192,6 +192,12 @@ def test_a_requeue_mid_run_resumes_at_the_step_it_stopped_with_every_loss_equal(
     results = check_resumed_exactly(run, reference)
     (recovery,) = results["recoveries"]
     assert recovery["slurm_job"] == int(job_id) and recovery["resumed"] and recovery["requeue"] == 1
+    # Two allocated nodes at the price given at launch (the launch that reconnected gave none): the
+    # cost counts the time the requeue lost.
+    price = results["price"]
+    assert (price["market"], price["machines"], price["usd_per_hour"]) == ("given", 2, 3.5)
+    assert price["machine_type"].startswith("slurm node") and results["lost_s"] > 0
+    assert results["cost_usd"] == pytest.approx(2 * 3.5 * (results["total_s"] + results["lost_s"]) / 3600)
     stopped = sorted((run / "task-0" / "cmds").glob("*-train"))[0] / "log"
     assert "on SIGTERM; the checkpoint holds this step" in stopped.read_text()
     assert ls_lines(capsys, "requeued")[3].endswith(": COMPLETED, requeued 1 time")

@@ -20,7 +20,8 @@ namespaces (tests/netns.py), emulate AWS with moto (tests/aws_server.py) and bui
 cluster (tests/slurm_cluster.py).
 """
 from speedrun.cluster.hosts import Host, LocalHost
-from speedrun.cluster.job import Job, TaskStatus
+from speedrun.cluster.job import Job
+from speedrun.cluster.states import TaskStatus
 from speedrun.cluster.lifecycle import make_job
 from speedrun.cluster.provider import Billing, Provider
 from speedrun.cluster.providers import LocalProvider, SSHProvider

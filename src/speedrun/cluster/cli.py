@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from speedrun.cluster.aws.cli import AWS_OPTIONS, DOWN_REFUSED, add_aws_options, down_all, is_aws_secret
 from speedrun.cluster.slurm.cli import add_slurm_options, slurm_options
 from speedrun.errors import EXIT_BAD_INPUT, EXIT_FAILED, SpeedrunError, stop_on_sigterm
+from speedrun.money import check_price
 
 if TYPE_CHECKING:  # annotations only: the commands import the cluster modules when they run
     from speedrun.cluster.job import Job
@@ -117,6 +118,9 @@ def add_launch_options(p: argparse.ArgumentParser) -> None:
                         "spare hosts listed beyond the tasks; aws: new instances) and resume from the checkpoint")
     p.add_argument("--max-restarts", type=int, default=3,
                    help="with --recover: at most this many recoveries (default 3)")
+    p.add_argument("--price-per-hour", type=float, metavar="USD",
+                   help="what one machine costs per hour, for runs to record what they cost (results.json); "
+                        "any provider, ahead of AWS's prices (default: AWS's, else none)")
     p.add_argument("--join-timeout", type=float, metavar="SECONDS",
                    help="how long each torchrun waits for all tasks to join before failing (default 120)")
     p.add_argument("--watcher-host", metavar="USER@HOST[:PORT]",
@@ -154,7 +158,8 @@ class StderrHandler(logging.Handler):
 
 def cmd_launch(args: argparse.Namespace) -> int:
     from speedrun.cluster.hosts import HostLost
-    from speedrun.cluster.job import JOIN_TIMEOUT_S, check_join_timeout, check_nproc_per_node, summary
+    from speedrun.cluster.job import JOIN_TIMEOUT_S, check_join_timeout, check_nproc_per_node
+    from speedrun.cluster.states import summary
     from speedrun.cluster.lifecycle import make_job, save_record
     from speedrun.cluster.providers import make_provider
     from speedrun.cluster.ssh import HostSpec, SSHOptions
@@ -176,6 +181,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
         raise SpeedrunError("nothing to launch: add `-- ARGS` for torchrun, e.g. -- -m speedrun train --recipe tiny")
     if args.max_restarts < 0:
         raise SpeedrunError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
+    if args.price_per_hour is not None:
+        check_price(args.price_per_hour)
     join_timeout_s = JOIN_TIMEOUT_S if args.join_timeout is None else check_join_timeout(args.join_timeout,
                                                                                          "--join-timeout")
     # What job.launch would refuse, refused before make_job makes the sessions, run directory and record.
@@ -211,7 +218,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if watcher_host is not None:
         prov.relocate("~")  # whether a watcher elsewhere can reach these machines: says so before anything starts
     job = make_job(args.name, num_tasks, provider=prov, run_root=args.run_root,
-                   run_name=args.run_name, setup=setup, sync=args.sync, restart=args.restart, python=args.python)
+                   run_name=args.run_name, setup=setup, sync=args.sync, restart=args.restart, python=args.python,
+                   price_per_hour=args.price_per_hour)
     argv = [a.replace("{run_dir}", job.run_dir) for a in argv]
     already = job.reconnected
     job.launch(argv, nproc_per_node=args.nproc_per_node, name=args.window, env=env, join_timeout_s=join_timeout_s)
@@ -296,7 +304,7 @@ def format_uptime(seconds: float | None) -> str:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     from speedrun.cluster import registry
-    from speedrun.cluster.job import summary
+    from speedrun.cluster.states import summary
     from speedrun.cluster.reopen import open_job
 
     # A damaged record hides nothing but itself: one line each, and the other jobs are listed.

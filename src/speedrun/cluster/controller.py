@@ -39,7 +39,8 @@ import tempfile
 from pathlib import Path
 
 from speedrun.cluster import registry
-from speedrun.cluster.job import HostSetup, Job, Launch, TaskStatus
+from speedrun.cluster.job import HostSetup, Job, Launch
+from speedrun.cluster.states import TaskStatus
 from speedrun.cluster.lifecycle import make_job
 from speedrun.cluster.recovery import watch
 from speedrun.cluster.reopen import open_job

@@ -28,8 +28,10 @@ from speedrun.cluster.provider import Provider
 from speedrun.cluster.tensorboard import TensorBoard, start_tensorboard
 from speedrun.cluster.task import (Command, CommandFailed, CommandLost, Result, Task, check_name, tmux_message,
                                    until_lost)
+from speedrun.cluster.states import STOPPED_BY, TaskStatus, telling_line
 from speedrun.cluster.utils import REACH_TIMEOUT_S, parallel
 from speedrun.errors import SpeedrunError
+from speedrun.money import PRICE_ENV, Price
 
 log = logging.getLogger("speedrun.cluster")
 
@@ -83,42 +85,6 @@ class Launch:
     join_timeout_s: float = JOIN_TIMEOUT_S
 
 
-@dataclass
-class TaskStatus:
-    """One line of `speedrun ls`."""
-
-    index: int
-    host: str
-    # running, succeeded, failed (N), killed, lost, idle (session, nothing launched), stopped, unreachable;
-    # on Slurm also pending (queued or requeued) and starting (its node runs the batch script)
-    state: str
-    uptime_s: float | None  # age of the task's tmux session, seconds
-    log: str | None
-    error: str | None = None  # why it is unreachable
-    why: str | None = None  # why it ended, if not in success: speedrun's reason for stopping it, or its log's
-    ended: float | None = None  # when its command ended, seconds since the epoch
-
-
-STOPPED_BY = "stopped by speedrun"  # how a command that the job layer stopped is said to have ended
-
-# In a failed command's log, the lines that say why, best first: speedrun's own one line; the
-# trainer's line for a run stopped at a step (exit 75: torchrun then exits 1); Python's
-# (`python3: No module named x`); an error with its message (torchrun's ChildFailedError has none);
-# torchrun's note of a worker ended by a signal.
-REASON_PATTERNS = (re.compile(r"^speedrun: \S"), re.compile(r"^stopped at step \d+"),
-                   re.compile(r"^\S*python[\d.]*: \S"),
-                   re.compile(r"\b\w*(Error|Exception)\b: \S"), re.compile(r"\bSignal \d+ \(SIG\w+\) received"))
-REASON_CHARS = 200  # a reason longer than this is cut
-# Where torchrun starts its report of a worker that failed: its log line, then its own traceback
-# and table. The worker's last words are above it.
-TORCHRUN_REPORT = re.compile(r"\] failed \(exitcode: -?\d+\) local_rank: \d+")
-# Lines that never say why: c10d's warning that a peer's address has no host name (a reverse
-# lookup failed: hosts without a resolver, or whose addresses DNS does not name) and the
-# trainer's header line ("speedrun 0.1.0: recipe ...").
-NOISE_PATTERNS = (re.compile(r"\[c10d\] The hostname of the client socket cannot be retrieved"),
-                  re.compile(r"^speedrun \d\S*: recipe "))
-
-
 def check_join_timeout(seconds: float, what: str) -> float:
     """A join timeout as given (`what`: how the user gave it), or SpeedrunError if it is not a
     number of seconds above 0."""
@@ -133,27 +99,6 @@ def check_nproc_per_node(count: int, what: str) -> int:
     if count < 1:
         raise SpeedrunError(f"{what} must be at least 1, got {count}")
     return count
-
-
-def telling_line(lines: Sequence[str], *, killed: bool = False) -> str | None:
-    """The line of a failed command's last log lines that says why it failed (see REASON_PATTERNS),
-    else its last line that is neither decoration nor noise (NOISE_PATTERNS); None for a log
-    without one. What the command printed before torchrun's failure report (TORCHRUN_REPORT) comes
-    first: the report's own last line is a link to torchrun's docs. For a command that was
-    `killed` (a signal from outside) only a line that says why counts: its last line says where it
-    was, not why it ended."""
-    # torchrun's failure table puts its fields as "key : value": the value is what says why.
-    text = [re.sub(r"^traceback\s+:\s+", "", ln.strip()) for ln in lines
-            if ln.strip().strip("=-") and not any(p.search(ln.strip()) for p in NOISE_PATTERNS)]
-    report = next((i for i, ln in enumerate(text) if TORCHRUN_REPORT.search(ln)), len(text))
-    before = text[:report]
-    found = next((ln for part in (before, text) for pattern in REASON_PATTERNS for ln in reversed(part)
-                  if pattern.search(ln)), None)
-    if found is None and not killed:
-        found = before[-1] if before else text[-1] if text else None
-    if found is None or len(found) <= REASON_CHARS:
-        return found
-    return found[:REASON_CHARS - 3] + "..."
 
 
 def ended_badly(future: concurrent.futures.Future) -> str | None:
@@ -180,38 +125,14 @@ def end_when(event: threading.Event, process: subprocess.Popen) -> None:
     process.kill()
 
 
-def summary(states: Sequence[TaskStatus]) -> str | None:
-    """One line on why a job is not simply running or done: each task whose command ended otherwise
-    than in success, the first to end first and those speedrun stopped because of it last, with its
-    reason, then the unreachable and those still running beside them (e.g. "task 1 failed (exit 1):
-    RuntimeError: ...; task 0 stopped by speedrun"); None when every task runs, succeeded or has
-    nothing launched."""
-    def order(s: TaskStatus) -> tuple:
-        return bool(s.why and s.why.startswith(STOPPED_BY)), s.ended is None, s.ended or 0.0, s.index
-    ended = sorted((s for s in states if s.state not in ("running", "succeeded", "idle", "stopped", "unreachable",
-                                                         "pending", "starting")),
-                   key=order)
-    if not ended:
-        return None
-    parts = []
-    for s in ended:
-        if s.why and s.why.startswith(STOPPED_BY):  # the task that caused it is named already
-            parts.append(f"task {s.index} {STOPPED_BY}")
-            continue
-        state = re.sub(r"^failed \((\d+)\)$", r"failed (exit \1)", s.state)
-        parts.append(f"task {s.index} {state}" + (f": {s.why}" if s.why else ""))
-    parts += [f"task {s.index} unreachable" for s in states if s.state == "unreachable"]
-    parts += [f"task {s.index} still running" for s in states if s.state == "running"]
-    return "; ".join(parts)
-
-
 class Job:
     """A job's tasks and run directory; see make_job. Methods act on all tasks in parallel."""
 
     def __init__(self, name: str, tasks: list[Task], run_dir: str, provider: Provider, *, python: str,
-                 reconnected: bool, host_setup: HostSetup | None = None):
+                 reconnected: bool, host_setup: HostSetup | None = None, price_per_hour: float | None = None):
         self.name, self.tasks, self.run_dir, self.provider = name, tasks, run_dir, provider
         self.python = python
+        self.price_per_hour = price_per_hour  # $ per machine-hour the user gave (--price-per-hour); None: not given
         self.reconnected = reconnected  # True when make_job found this job running and joined it
         self.host_setup = host_setup  # None: found again by open_job, which does not know it
         self.launched: Launch | None = None  # the last launch of this process
@@ -249,6 +170,31 @@ class Job:
             seen.setdefault((t.host.key, t.path(path)), t)
         return list(seen.values())
 
+    # --- what it costs ---
+    def machine_count(self) -> int:
+        """The machines the job holds: tasks on one host count once."""
+        return len({t.host.key for t in self.tasks})
+
+    def price(self) -> Price | None:
+        """What the job's machines cost: the price per machine-hour given to make_job
+        (`--price-per-hour`), else the provider's (AWS: Price List API, table or spot history);
+        None when neither knows. Launched commands get it in PRICE_ENV, for results.json."""
+        machines = self.machine_count()
+        if self.price_per_hour is not None:
+            return Price(self.provider.machine_type(), "given", machines, self.price_per_hour,
+                         "given with --price-per-hour")
+        return self.provider.price(machines)
+
+    def price_environment(self) -> dict[str, str]:
+        """PRICE_ENV for the commands launched now, when the price is known. A price that cannot
+        be read (AWS not answering) costs the run its cost record, not its start."""
+        try:
+            price = self.price()
+        except SpeedrunError as e:
+            log.warning("job %s: the machines' price could not be read (%s); the run records no cost", self.name, e)
+            return {}
+        return {PRICE_ENV: price.to_env()} if price is not None else {}
+
     # --- distributed training ---
     def launch(self, command: str | Sequence[str], *, nproc_per_node: int | None = None, name: str = "train",
                env: Mapping[str, str] | None = None, restart: bool = False,
@@ -262,7 +208,8 @@ class Job:
         COMMAND is what follows torchrun's options: `train.py --lr 0.1` or `-m speedrun train ...`
         (shell text; a list is quoted for you). The environment also gets SPEEDRUN_JOB,
         SPEEDRUN_RUN_DIR, SPEEDRUN_TASK and SPEEDRUN_NUM_TASKS, the provider's variables (spot
-        jobs on AWS: SPEEDRUN_SPOT_NOTICE_URL), plus `env`.
+        jobs on AWS: SPEEDRUN_SPOT_NOTICE_URL), the machines' price when known (SPEEDRUN_PRICE,
+        see price()), plus `env`.
 
         If the job already runs a command of this name, nothing is started: the running commands are
         returned (reconnecting); restart=True starts it again once those have ended (a recovery).
@@ -292,13 +239,14 @@ class Job:
         n = len(self.tasks)
         master = self.tasks[0].ip if n > 1 else "127.0.0.1"
         port = self.free_port()
+        price = self.price_environment()  # asked at every start: a recovery's machines may cost otherwise
 
         def start(t: Task) -> Command:
             torchrun = (f"{self.python} -m torch.distributed.run --nnodes={n} --node-rank={t.index} "
                         f"--nproc-per-node={nproc_per_node} --master-addr={master} --master-port={port} "
                         f"--rdzv-conf=timeout={math.ceil(join_timeout_s)} {text}")
             variables = {"SPEEDRUN_JOB": self.name, "SPEEDRUN_RUN_DIR": self.run_dir, "SPEEDRUN_TASK": str(t.index),
-                         "SPEEDRUN_NUM_TASKS": str(n), **self.provider.environment()}
+                         "SPEEDRUN_NUM_TASKS": str(n), **self.provider.environment(), **price}
             if n > 1:
                 # gloo and NCCL bind to the address the host name resolves to, which may be 127.0.0.1
                 # or an interface the other hosts cannot reach: name the one that reaches task 0.
@@ -313,13 +261,15 @@ class Job:
                  say: Callable[[str], None] = log.info) -> None:
         """Run independent commands (shell text each) on the job's tasks at once, in `cwd`: task i
         runs commands i, i + N, i + 2N... one after another, going on after a failure, in a window
-        called `name`. Says how they were spread, and returns when all have ended."""
+        called `name`, with the machines' price (SPEEDRUN_PRICE) when known. Says how they were
+        spread, and returns when all have ended."""
         shares = [list(commands[i::len(self.tasks)]) for i in range(len(self.tasks))]
         started = []
+        price = self.price_environment()  # runs record what they cost, as launched ones do
         for t, share in zip(self.tasks, shares):
             if share:
                 started.append(t.run("\n".join([f"cd {shlex.quote(t.path(cwd))}", *share]), background=True,
-                                     name=name))
+                                     name=name, env=price))
                 say(f"task {t.index}: {len(share)} commands")
         for command in started:
             command.wait(check=False)

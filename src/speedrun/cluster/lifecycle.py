@@ -36,6 +36,7 @@ from speedrun.cluster.task import CommandFailed, Task, check_name, tmux_message
 from speedrun.cluster.utils import parallel
 from speedrun.cluster.watcher import stop_watcher_for_new_run
 from speedrun.errors import SpeedrunError
+from speedrun.money import check_price
 
 log = logging.getLogger("speedrun.cluster")
 
@@ -45,7 +46,8 @@ def make_job(name: str, num_tasks: int = 1, *, provider: str | Provider = "local
              sync: str | os.PathLike | None = None, sync_exclude: Sequence[str] = DEFAULT_SYNC_EXCLUDE,
              restart: bool = False, python: str = "python3", host_dir: str = "~/.speedrun",
              tmux_socket: str = "speedrun", ssh: SSHOptions | None = None,
-             config_dir: str | os.PathLike | None = None, **options: Any) -> Job:
+             config_dir: str | os.PathLike | None = None, price_per_hour: float | None = None,
+             **options: Any) -> Job:
     """Get num_tasks hosts and a run directory for job `name`, or reconnect to it if it is running.
 
     provider: "local" (this machine), "ssh" (then `hosts`: ["user@host:port", ...]), "aws" (instances
@@ -68,6 +70,9 @@ def make_job(name: str, num_tasks: int = 1, *, provider: str | Provider = "local
         SSHOptions' fields may also come as keywords of their own (`identity_file=...`,
         `known_hosts=...`), as earlier releases took them; not one field both ways.
     config_dir: speedrun's directory on this machine (default $SPEEDRUN_HOME or ~/.config/speedrun).
+    price_per_hour: what one of the job's machines costs per hour, $, for runs to record what they
+        cost (results.json); for any provider, ahead of the one AWS's prices give. None: a job found
+        running keeps the price it was launched with.
     """
     check_name(name, "job name")
     check_name(run_name, "run name")
@@ -77,10 +82,13 @@ def make_job(name: str, num_tasks: int = 1, *, provider: str | Provider = "local
         raise SpeedrunError(f"host_dir must be absolute or start with ~/, got {host_dir!r}")
     if sync is not None and not Path(sync).is_dir():
         raise SpeedrunError(f"sync directory {sync} does not exist")
+    if price_per_hour is not None:
+        check_price(price_per_hour, "price_per_hour")
     prov = make_provider(provider, name, hosts, ssh, config_dir, options)
     if isinstance(prov, SlurmProvider):  # one Slurm job, submitted by launch: no sessions to make or find
         job = make_slurm_job(name, num_tasks, prov, run_root=run_root, run_name=run_name, restart=restart,
                              python=python, setup=setup, sync=sync, config_dir=config_dir)
+        keep_price(job, price_per_hour, config_dir)
         save_record(job, config_dir)
         return job
     hosts_ = prov.hosts(num_tasks)
@@ -119,8 +127,17 @@ def make_job(name: str, num_tasks: int = 1, *, provider: str | Provider = "local
         start_tasks(tasks, name, hs, [p.setup_hash for p in probes])
         job = Job(name, tasks, fields["run_dir"], prov, python=python, reconnected=False, host_setup=hs)
 
+    keep_price(job, price_per_hour, config_dir)
     save_record(job, config_dir)
     return job
+
+
+def keep_price(job: Job, given: float | None, config_dir: str | os.PathLike | None) -> None:
+    """The price per machine-hour `given` to make_job, else, for a job found running in the same
+    run directory, the one it was launched with (so that relaunches cost the same)."""
+    old = registry.recorded(job.name, config_dir)
+    job.price_per_hour = given if given is not None or old is None or old.run_dir != job.run_dir \
+        else old.price_per_hour
 
 
 def setup_mark_of(hs: HostSetup, job: str) -> str:
@@ -158,7 +175,8 @@ def save_record(job: Job, config_dir: str | os.PathLike | None = None) -> None:
         cwd=None if hs is None or hs.sync is None else posixpath.join(hs.host_dir.rstrip("/"), "code", job.name),
         tmux_socket=job.tasks[0].tmux_socket, python=job.python, created=time.time(),
         window=job.launched.name if job.launched else "train",
-        watcher=old.watcher if old is not None and old.run_dir == job.run_dir else None), config_dir)
+        watcher=old.watcher if old is not None and old.run_dir == job.run_dir else None,
+        price_per_hour=job.price_per_hour), config_dir)
 
 
 def replace_task(job: Job, index: int, host: Host) -> Task:

@@ -19,6 +19,7 @@ from typing import Any, Mapping, Sequence
 from speedrun.cluster.hosts import Host
 from speedrun.cluster.ssh import SSHOptions
 from speedrun.errors import SpeedrunError
+from speedrun.money import Price
 
 
 @dataclass
@@ -80,6 +81,14 @@ class Provider(ABC):
     def environment(self) -> dict[str, str]:
         """Variables every launched command gets on these machines (e.g. where spot notices come)."""
         return {}
+
+    def machine_type(self) -> str:
+        """What these machines are called in a price (AWS: the instance type)."""
+        return f"{self.kind} host"
+
+    def price(self, machines: int) -> Price | None:
+        """What `machines` of these cost per hour, if the provider knows (AWS); None: unknown."""
+        return None
 
     def billing(self) -> Billing | None:
         """What the machines cost; None for machines speedrun did not start."""

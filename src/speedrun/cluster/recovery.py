@@ -25,7 +25,8 @@ import shlex
 import time
 from dataclasses import asdict, dataclass
 
-from speedrun.cluster.job import Job, TaskStatus
+from speedrun.cluster.job import Job
+from speedrun.cluster.states import TaskStatus
 from speedrun.cluster.lifecycle import replace_task, save_record
 from speedrun.cluster.utils import REACH_TIMEOUT_S, parallel
 from speedrun.errors import SpeedrunError
@@ -43,7 +44,7 @@ class Recovery:
     replaced: dict[int, list[str]]  # task -> [lost host, its replacement]
     resumed: bool  # from the run directory's checkpoint
     relaunch_s: float  # from noticing to the new torchruns started, seconds
-    price_per_hour: float | None  # $ per hour of the job's machines (provider's billing), None: unknown
+    price_per_hour: float | None  # $ per hour of all the job's machines (Job.price), None: unknown
 
 
 def watch(job: Job, name: str = "train", *, max_restarts: int = 3, every_s: float = 5.0,
@@ -108,9 +109,9 @@ def recover(job: Job, name: str, lost: list[int], why: str, resume_flag: str) ->
         command = f"{command} {resume_flag}"
     job.launch(command, nproc_per_node=launch.nproc_per_node, name=name, env=launch.env, restart=True,
                join_timeout_s=launch.join_timeout_s)
-    billing = job.provider.billing()
+    price = job.price()
     event = Recovery(start, why, replaced, resumed, time.time() - start,
-                     billing.price_per_hour if billing is not None else None)
+                     price.machines * price.usd_per_hour if price is not None else None)
     job.tasks[0].host.shell(f"printf '%s\\n' {shlex.quote(json.dumps(asdict(event)))} >> "
                             f"{shlex.quote(f'{job.run_dir}/{RECOVERIES}')}")
     log.info("job %s: started again in %.1f s%s", job.name, event.relaunch_s, " from the checkpoint" if resumed else "")

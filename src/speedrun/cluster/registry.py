@@ -50,6 +50,7 @@ class JobRecord:
     # "home": its speedrun home there, "paths": the provider record's keys that name files here,
     # "known_hosts": this machine's file for the keys the watcher pins there (reopen.adopt_host_keys)}.
     watcher: dict[str, Any] | None = None
+    price_per_hour: float | None = None  # $ per machine-hour given with --price-per-hour; None: not given
 
 
 def path_of(name: str, config_dir: str | os.PathLike | None = None) -> Path:

@@ -34,7 +34,9 @@ def open_job(name: str, config_dir: str | os.PathLike | None = None, *, probe: b
     rec, pinned = refreshed(registry.load(name, config_dir), config_dir)  # a watcher elsewhere may have moved tasks
     prov = provider_from_record(rec.provider, registry.path_of(name, config_dir))
     if isinstance(prov, SlurmProvider):  # its tasks are read through the run directory: nothing to probe
-        return slurm_job(name, rec.num_tasks, prov, rec.run_dir, python=rec.python, reconnected=True)
+        job = slurm_job(name, rec.num_tasks, prov, rec.run_dir, python=rec.python, reconnected=True)
+        job.price_per_hour = rec.price_per_hour
+        return job
     hosts_ = prov.hosts(rec.num_tasks)
     adopt_host_keys(rec, hosts_, pinned)  # and met a replacement there first
     sessions = [f"{name}-{i}" for i in range(rec.num_tasks)]
@@ -52,7 +54,7 @@ def open_job(name: str, config_dir: str | os.PathLike | None = None, *, probe: b
                     ip=p.ip if p else "", tmux_socket=rec.tmux_socket, last_seq=p.last_seq if p else 0)
 
     tasks = parallel(task, range(rec.num_tasks))
-    return Job(name, tasks, rec.run_dir, prov, python=rec.python, reconnected=True)
+    return Job(name, tasks, rec.run_dir, prov, python=rec.python, reconnected=True, price_per_hour=rec.price_per_hour)
 
 
 def refreshed(rec: registry.JobRecord, config_dir: str | os.PathLike | None = None) -> tuple[registry.JobRecord, str]:

@@ -121,7 +121,8 @@ def call_name() -> str:
 
 # --- a region's clients, and waiting where AWS has no waiter ---
 class Session:
-    """The EC2 and EFS clients of one region (and its zones, which every launch needs)."""
+    """The EC2 and EFS clients of one region (and its zones, which every launch needs), and the
+    Price List API's."""
 
     def __init__(self, region: str | None):
         boto3 = boto3_module()
@@ -134,6 +135,18 @@ class Session:
             config = Config(retries={"mode": "standard", "max_attempts": 4})
             self.ec2 = track_calls(session.client("ec2", region_name=self.region, config=config))
             self.efs = track_calls(session.client("efs", region_name=self.region, config=config))
+        self._session = session
+        self._pricing = None
+        self.prices: dict[tuple[str, str], Any] = {}  # what pricing.listed_price found, by (market, type)
+
+    def pricing(self) -> Any:
+        """The Price List API's client. Its endpoints are in a few regions only (us-east-1 serves
+        every region's prices); asked briefly, once, as it is only a better price than the table."""
+        if self._pricing is None:
+            from botocore.config import Config
+            config = Config(connect_timeout=3, read_timeout=5, retries={"mode": "standard", "max_attempts": 1})
+            self._pricing = track_calls(self._session.client("pricing", region_name="us-east-1", config=config))
+        return self._pricing
 
     def zones(self) -> list[str]:
         """The region's availability zones, in name order (which fixes each one's subnet range)."""

@@ -1,24 +1,31 @@
-"""What the AWS provider's instances cost (`job_billing`, for `speedrun ls`) and which vCPU quota a
-launch ran into (`quota_message`): the on-demand price table, the spot price history, the quotas."""
+"""What the AWS provider's instances cost and which vCPU quota a launch ran into (`quota_message`).
+
+Prices, $ per instance-hour: on-demand from the AWS Price List API (`listed_price`; GetProducts,
+Linux, shared tenancy), and from the table in instance_types.json (its date and source inside)
+only when that API cannot be reached or does not list the type; spot from the spot price
+history of the instance's zone. `job_billing` is a job's running instances priced (for `speedrun
+ls` and the runs' results.json); `offer_price` a type's price before anything runs (projections).
+"""
 from __future__ import annotations
 
 import datetime as dt
+import json
+import logging
+from pathlib import Path
 from typing import Any, Iterable
 
 from speedrun.cluster.aws.api import Session, aws_errors, error_code
 from speedrun.cluster.aws.config import AWSConfig
 from speedrun.cluster.provider import Billing
+from speedrun.errors import SpeedrunError
+from speedrun.money import Price
 
-# On-demand Linux prices, $ per instance-hour, as AWS's on-demand pricing page listed them (after
-# the June 2025 P4/P5 price cut; not re-checked since). Spot prices come from the spot price history.
-PRICES_AS_OF = "2025-06"
-ON_DEMAND_PRICES: dict[str, dict[str, float]] = {
-    "us-east-1": {
-        "p5.48xlarge": 55.04, "p5en.48xlarge": 63.30, "p4d.24xlarge": 21.96, "p3.16xlarge": 24.48,
-        "p3.2xlarge": 3.06, "g6e.xlarge": 1.861, "g6.xlarge": 0.8048, "g5.xlarge": 1.006, "g4dn.xlarge": 0.526,
-        "c5.large": 0.085, "m5.large": 0.096, "t3.micro": 0.0104, "t3.large": 0.0832,
-    },
-}
+log = logging.getLogger("speedrun.cluster")
+# The on-demand table (a fallback), and the GPUs of the GPU instance types, for projections.
+INSTANCE_TYPES = json.loads(Path(__file__).with_name("instance_types.json").read_text())
+PRICES_AS_OF = INSTANCE_TYPES["as_of"]
+PRICE_LIST_SOURCE = "AWS Price List API"
+
 
 # The vCPU quotas run_instances runs into, by instance family: (on-demand quota, spot quota), each
 # (name, code) as Service Quotas shows them. Families not listed count against the standard ones.
@@ -40,17 +47,96 @@ def instance_vcpus(s: Session, instance_type: str) -> int | None:
         return None
 
 
-def instance_price(s: Session, inst: dict[str, Any]) -> float | None:
-    """$ per hour of one instance: its zone's latest spot price, or the on-demand table's."""
-    if inst.get("InstanceLifecycle") != "spot":
-        return ON_DEMAND_PRICES.get(s.region, {}).get(inst["InstanceType"])
+def table_price(region: str, instance_type: str) -> float | None:
+    """The on-demand table's $ per hour (instance_types.json), None where it has none."""
+    return INSTANCE_TYPES["on_demand_usd_per_hour"].get(region, {}).get(instance_type)
+
+
+def price_list_price(s: Session, instance_type: str) -> float | None:
+    """On-demand $ per hour of Linux `instance_type` in the session's region, as the Price List
+    API lists it; None where it lists none. Raises what botocore raises when it cannot be reached."""
+    filters = {"instanceType": instance_type, "regionCode": s.region, "operatingSystem": "Linux",
+               "tenancy": "Shared", "preInstalledSw": "NA", "capacitystatus": "Used"}
+    reply = s.pricing().get_products(
+        ServiceCode="AmazonEC2", MaxResults=10,
+        Filters=[{"Type": "TERM_MATCH", "Field": k, "Value": v} for k, v in filters.items()])
+    for item in reply.get("PriceList", []):
+        product = json.loads(item) if isinstance(item, str) else item
+        for term in product.get("terms", {}).get("OnDemand", {}).values():
+            for dimension in term.get("priceDimensions", {}).values():
+                usd = float(dimension.get("pricePerUnit", {}).get("USD", 0))
+                if usd > 0:
+                    return usd
+    return None
+
+
+def listed_price(s: Session, instance_type: str) -> tuple[float, str] | None:
+    """On-demand $ per hour of `instance_type` and where it comes from: the Price List API, else
+    (not reachable, or not listed there) the table; None when neither has it. Asked once per
+    session and type."""
+    key = ("on-demand", instance_type)
+    if key not in s.prices:
+        try:
+            usd = price_list_price(s, instance_type)
+        except Exception as e:  # noqa: BLE001 - any failure to reach it: the table is the fallback
+            log.info("the AWS Price List API did not answer (%s); using the table of %s", type(e).__name__,
+                     PRICES_AS_OF)
+            usd = None
+        if usd is not None:
+            s.prices[key] = (usd, f"{PRICE_LIST_SOURCE}, {dt.date.today().isoformat()}")
+        else:
+            table = table_price(s.region, instance_type)
+            s.prices[key] = (table, f"on-demand table of {PRICES_AS_OF}") if table is not None else None
+    return s.prices[key]
+
+
+def spot_price(s: Session, instance_type: str, zone: str) -> float | None:
+    """The latest spot $ per hour of `instance_type` in `zone` (the spot price history)."""
     with aws_errors("read the spot price history"):
         history = s.ec2.describe_spot_price_history(
-            InstanceTypes=[inst["InstanceType"]], AvailabilityZone=inst["Placement"]["AvailabilityZone"],
+            InstanceTypes=[instance_type], AvailabilityZone=zone,
             ProductDescriptions=["Linux/UNIX", "Linux/UNIX (Amazon VPC)"], StartTime=dt.datetime.now(dt.timezone.utc),
         )["SpotPriceHistory"]
     return float(max(history, key=lambda h: h["Timestamp"])["SpotPrice"]) if history else None
 
+
+def offer_price(s: Session, instance_type: str, spot: bool) -> Price | None:
+    """What one `instance_type` would cost now, before any runs: on-demand as listed_price; spot,
+    the cheapest zone's latest spot price in the region. None: no price known."""
+    if not spot:
+        listed = listed_price(s, instance_type)
+        return Price(instance_type, "on-demand", 1, *listed) if listed else None
+    zones = s.zones()
+    prices = {z: spot_price(s, instance_type, z) for z in zones}
+    known = {z: p for z, p in prices.items() if p is not None}
+    if not known:
+        return None
+    zone = min(known, key=known.get)
+    return Price(instance_type, "spot", 1, known[zone],
+                 f"spot price history, {zone} (cheapest of {len(zones)} zones), {dt.date.today().isoformat()}")
+
+
+def gpus_of(instance_type: str) -> tuple[int, str] | None:
+    """How many GPUs of which kind ("A100") one instance of the type has; None: not in the table."""
+    found = INSTANCE_TYPES["gpus"].get(instance_type)
+    return (int(found[0]), str(found[1])) if found else None
+
+
+def offer_prices(instance_types: list[str], spot: bool) -> tuple[dict[str, Price | None], str]:
+    """What one instance of each type costs now, and a line saying where the prices come from:
+    with AWS credentials, offer_price (the Price List API or spot history); without, the
+    on-demand table (no spot prices then)."""
+    try:
+        s = Session(None)
+    except SpeedrunError as e:  # no boto3 or no credentials: the table is what there is
+        if spot:
+            return dict.fromkeys(instance_types), f"no spot prices without AWS access ({e})"
+        return ({t: Price(t, "on-demand", 1, usd, f"on-demand table of {PRICES_AS_OF}") if usd is not None else None
+                 for t in instance_types for usd in [table_price("us-east-1", t)]},
+                f"the on-demand table of {PRICES_AS_OF}, us-east-1 (no AWS access: {e})")
+    prices = {t: offer_price(s, t, spot) for t in instance_types}
+    sources = sorted({p.source for p in prices.values() if p is not None})
+    return prices, f"{s.region}: " + ("; ".join(sources) or "none found")
 
 
 def quota_message(s: Session, instance_type: str, market: str, n: int, error: Exception) -> str:
@@ -67,17 +153,26 @@ def quota_message(s: Session, instance_type: str, market: str, n: int, error: Ex
 
 
 def job_billing(s: Session, config: AWSConfig, instances: Iterable[dict[str, Any]]) -> Billing:
-    """What a job's running instances cost: their count, price per hour and cost so far."""
-    c = config
+    """What a job's running instances cost: their count, price per hour and cost so far, each
+    priced as its market is (a spot job's replacement may have come on demand)."""
     running = [i for i in instances if i["State"]["Name"] == "running"]
-    market = "spot" if c.spot else "on-demand"
-    if any(i.get("InstanceLifecycle") == "spot" for i in running):
-        market = "spot"
     now = dt.datetime.now(dt.timezone.utc)
     ups = [(now - i["LaunchTime"]).total_seconds() for i in running]
-    prices = [instance_price(s, i) for i in running]
-    source = "spot price history" if market == "spot" else f"on-demand table of {PRICES_AS_OF}"
-    if any(p is None for p in prices):
-        return Billing(c.instance_type, market, len(running), max(ups, default=0.0), None, None, source)
-    return Billing(c.instance_type, market, len(running), max(ups, default=0.0), sum(prices),
-                   sum(p * u / 3600 for p, u in zip(prices, ups)), source)
+    prices, sources = [], []
+    for i in running:
+        if i.get("InstanceLifecycle") == "spot":
+            zone = i["Placement"]["AvailabilityZone"]
+            prices.append(spot_price(s, i["InstanceType"], zone))
+            source = f"spot price history, {zone}, {now:%Y-%m-%d %H:%M} UTC"
+        else:
+            listed = listed_price(s, i["InstanceType"])
+            prices.append(listed[0] if listed else None)
+            source = listed[1] if listed else f"no on-demand price for {i['InstanceType']} in {s.region}"
+        sources += [source] if source not in sources else []
+    spot = config.spot or any(i.get("InstanceLifecycle") == "spot" for i in running)
+    billing = Billing(config.instance_type, "spot" if spot else "on-demand", len(running), max(ups, default=0.0),
+                      None, None, "; ".join(sources) or "no instance running")
+    if running and all(p is not None for p in prices):
+        billing.price_per_hour = sum(prices)
+        billing.cost = sum(p * u / 3600 for p, u in zip(prices, ups))
+    return billing

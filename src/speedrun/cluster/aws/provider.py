@@ -21,6 +21,7 @@ from speedrun.cluster.aws.resources import (Network, caller_cidr, delete_placeme
 from speedrun.cluster.aws.scripts import prepare_host
 from speedrun.cluster.hosts import Host
 from speedrun.cluster.provider import Billing, Provider
+from speedrun.money import Price
 from speedrun.cluster.ssh import SSHHost, SSHOptions
 from speedrun.cluster.utils import parallel
 from speedrun.errors import SpeedrunError
@@ -227,6 +228,17 @@ class AWSProvider(Provider):
     # --- money and lifetime ---
     def billing(self) -> Billing:
         return job_billing(self.session, self.config, job_instances(self.session, self.job).values())
+
+    def machine_type(self) -> str:
+        return self.config.instance_type
+
+    def price(self, machines: int) -> Price | None:
+        """The running instances' mean price per instance-hour (each at its market's), with its
+        source; None when an instance's price is unknown."""
+        b = self.billing()
+        if not b.count or b.price_per_hour is None:
+            return None
+        return Price(b.instance_type, b.market, machines, b.price_per_hour / b.count, b.price_source)
 
     def down(self) -> list[str]:
         """Terminate the job's instances, then delete its placement group (if it has one); the ids

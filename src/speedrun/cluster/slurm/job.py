@@ -28,8 +28,8 @@ from typing import Any, Callable, Mapping, Sequence, TextIO
 from speedrun import files
 from speedrun.cluster import registry, tmux
 from speedrun.cluster.hosts import LocalHost
-from speedrun.cluster.job import (JOIN_TIMEOUT_S, Job, Launch, TaskStatus, check_join_timeout, check_nproc_per_node,
-                                  telling_line)
+from speedrun.cluster.job import JOIN_TIMEOUT_S, Job, Launch, check_join_timeout, check_nproc_per_node
+from speedrun.cluster.states import TaskStatus, telling_line
 from speedrun.cluster.slurm.config import SlurmConfig
 from speedrun.cluster.slurm.provider import SlurmProvider
 from speedrun.cluster.slurm.queue import SlurmJobState, active, cancel, job_state, submit
@@ -91,6 +91,9 @@ class SlurmJob(Job):
                  reconnected: bool):
         super().__init__(name, tasks, run_dir, provider, python=python, reconnected=reconnected)
         self.config: SlurmConfig = provider.config
+
+    def machine_count(self) -> int:
+        return len(self.tasks)  # one node per task
 
     # --- the Slurm job ---
     @property
@@ -156,7 +159,7 @@ class SlurmJob(Job):
         texts = {"job.sbatch": batch_script(job=self.name, name=name, nodes=n, run_dir=self.run_dir,
                                             cwd=self.tasks[0].cwd, config=self.config, python=self.python),
                  "node.sh": node_script(job=self.name, name=name, nodes=n, run_dir=self.run_dir,
-                                        env=dict(env or {})),
+                                        env={**self.price_environment(), **(env or {})}),
                  f"{name}.command.sh": command_text(python=self.python, nodes=n, nproc_per_node=nproc,
                                                     join_timeout_s=math.ceil(join_timeout_s), command=text),
                  f"{name}.resume.sh": command_text(python=self.python, nodes=n, nproc_per_node=nproc,

@@ -49,6 +49,9 @@ class SlurmProvider(Provider):
         """This machine for every task: their files are on the shared file system it sees."""
         return [self._host] * count
 
+    def machine_type(self) -> str:
+        return f"slurm node ({self.config.partition or 'default partition'})"
+
     def record(self) -> dict[str, Any]:
         return {"kind": self.kind, "config": {**dataclasses.asdict(self.config),
                                               "sbatch_args": list(self.config.sbatch_args)}}
