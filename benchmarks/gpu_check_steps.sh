@@ -15,8 +15,9 @@ results_complete() {
 
 # run_step NAME SECONDS JSON LOG COMMAND...: COMMAND under `timeout` (SIGTERM after SECONDS, SIGKILL
 # 10 s later), its output to the terminal and to LOG. With PYTHONFAULTHANDLER, a Python that dies of
-# a signal (issue 23 saw a SIGSEGV at exit once, never reproduced since) writes every thread's stack
-# to LOG first: what was still running. JSON is where it writes its results ("-": it
+# a signal writes every thread's stack to LOG first: what was still running. (That is how issue 23's
+# "SIGSEGV at exit" was found to be oneDNN corrupting the heap in a CPU backward pass, mid-run: see
+# learner.to_device.) JSON is where it writes its results ("-": it
 # writes none). Returns 0 when COMMAND exited 0, else prints and records one line saying how it
 # ended and what became of its results, and returns 1.
 run_step() {

@@ -172,7 +172,7 @@ def bench_train(tree: Path, model_name: str, size: int, batch: int, workers: int
 
     from speedrun.data.base import Shard, normalize_on_device
     from speedrun.data.imagefolder import IMAGENET_MEAN, IMAGENET_STD, ImageFolderSource
-    from speedrun.learner import choose_precision, device_capability, train_step
+    from speedrun.learner import choose_precision, device_capability, to_device, train_step
     from speedrun.model import build_model
     from speedrun.optim import build_optimizer
     from speedrun.recipe import OptimizerSettings, Phase
@@ -180,7 +180,7 @@ def bench_train(tree: Path, model_name: str, size: int, batch: int, workers: int
     device = torch.device(device_name)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     torch.backends.cudnn.benchmark = True
-    model = build_model(model_name, num_classes=1000).to(device, memory_format=torch.channels_last)
+    model, channels_last = to_device(build_model(model_name, num_classes=1000), device)  # the trainer's layout
     optimizer = build_optimizer(model, OptimizerSettings(weight_decay=5e-5), lr=0.1, fused=device.type == "cuda")
     precision = choose_precision("auto", device.type, device_capability(device))
     criterion = nn.CrossEntropyLoss()
@@ -188,7 +188,7 @@ def bench_train(tree: Path, model_name: str, size: int, batch: int, workers: int
     std = torch.tensor(IMAGENET_STD, device=device).view(3, 1, 1)
 
     def step(x, y):
-        x = normalize_on_device(x, mean, std, device, True)
+        x = normalize_on_device(x, mean, std, device, channels_last)
         train_step(model, optimizer, criterion, x, y.to(device, non_blocking=True), precision)
 
     def run(batches) -> float:

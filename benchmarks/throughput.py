@@ -53,7 +53,9 @@ def images_per_second(model_name: str, size: int, batch: int, device: torch.devi
     torch.backends.cudnn.benchmark = autotune
     precision = choose_precision(precision, device.type, device_capability(device))
     scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
-    layout = torch.channels_last if channels_last else torch.contiguous_format
+    # As the trainer (learner.to_device): channels_last on GPUs only; oneDNN's corrupts the heap
+    # for some narrow convolutions, so on the CPU every variant is contiguous.
+    layout = torch.channels_last if channels_last and device.type == "cuda" else torch.contiguous_format
     model = build_model(model_name, num_classes=1000, in_chans=3).to(device, memory_format=layout)
     optimizer = build_optimizer(model, OptimizerSettings(weight_decay=1e-4), lr=0.01, fused=fused)
     net = torch.compile(model, dynamic=False) if compile else model

@@ -4,6 +4,8 @@ import dataclasses
 import json
 import shutil
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -266,3 +268,41 @@ def test_rectangular_validation_of_a_compiled_model_compiles_no_evaluation_shape
                                        data=str(tree), workers=0))
     assert results["status"] == "finished" and results["final"]["count"] == 16
     assert counters["stats"]["unique_graphs"] - before <= 2  # the training step's graphs, not one per shape
+
+
+@pytest.mark.slow
+def test_a_cpu_training_step_of_a_narrow_model_at_48_px_survives(tmp_path):
+    # oneDNN's channels_last backward of a 1x1 stride-2 convolution with 8 or fewer input channels
+    # corrupts the heap at 48 px and up (torch 2.14.1 on an AVX-512 AMD EPYC: SIGSEGV, or "free():
+    # invalid next size"); the tiny model has such a downsample. The learner keeps CPU models in
+    # the contiguous layout. In a process of its own: a crash must not take pytest with it.
+    script = tmp_path / "step.py"
+    script.write_text(
+        "import torch\nfrom torch import nn\nfrom speedrun.learner import to_device, train_step\n"
+        "from speedrun.model import build_model\nfrom speedrun.optim import build_optimizer\n"
+        "from speedrun.recipe import OptimizerSettings\n"
+        "model, channels_last = to_device(build_model('resnet-fmnist-tiny', 10, 3), torch.device('cpu'))\n"
+        "layout = torch.channels_last if channels_last else torch.contiguous_format\n"
+        "x = torch.randn(16, 3, 48, 48).contiguous(memory_format=layout)\n"
+        "optimizer = build_optimizer(model, OptimizerSettings(), lr=0.1)\n"
+        "for _ in range(3):\n"
+        "    train_step(model, optimizer, nn.CrossEntropyLoss(), x, torch.randint(0, 10, (16,)))\n"
+        "print('layout', layout)\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-500:])
+    assert "layout torch.contiguous_format" in proc.stdout
+
+
+def test_batches_reach_a_cpu_model_contiguous_even_when_the_loader_gave_channels_last():
+    from types import SimpleNamespace
+
+    from speedrun.learner import to_device
+
+    model, channels_last = to_device(build_model(TINY.model, 10, 3), torch.device("cpu"))
+    assert not channels_last  # on the CPU: learner.to_device says why
+    batches = DeviceBatches(SimpleNamespace(mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25)), torch.device("cpu"),
+                            channels_last)
+    images = torch.zeros(2, 48, 48, 3, dtype=torch.uint8).permute(0, 3, 1, 2)  # an image folder's batch: NHWC memory
+    assert images.is_contiguous(memory_format=torch.channels_last)
+    x, _ = batches.to_device(images, torch.zeros(2, dtype=torch.int64))
+    assert x.is_contiguous() and x.dtype == torch.float32

@@ -64,7 +64,7 @@ class Learner:
 
 
 def build_learner(cfg: TrainConfig, ctx: DistContext, source: DataSource) -> Learner:
-    """The recipe's model on the device (channels_last for CNNs), its optimizer and loss, wrapped
+    """The recipe's model on the device (channels_last for CNNs on a GPU), its optimizer and loss, wrapped
     in DistributedDataParallel when there are several processes and compiled if asked."""
     recipe = cfg.recipe
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
@@ -107,9 +107,12 @@ def build_learner(cfg: TrainConfig, ctx: DistContext, source: DataSource) -> Lea
 
 
 def to_device(model: nn.Module, device: torch.device) -> tuple[nn.Module, bool]:
-    """`model` on `device`, channels_last when it has convolutions (faster on both CUDA and
-    oneDNN: measured 1.3x on the demo ResNet with 2 CPU cores); returns it and whether it is."""
-    channels_last = any(isinstance(m, nn.Conv2d) for m in model.modules())
+    """`model` on `device`, channels_last when it has convolutions and the device is a GPU;
+    returns it and whether it is. Not on the CPU: oneDNN's channels_last backward of a 1x1
+    stride-2 convolution with 8 or fewer input channels corrupts the heap at 48 px and up (torch
+    2.14.1 on an AVX-512 AMD EPYC; the tiny model has one), and the layout gains the CPU little
+    (1.05-1.2x on the default model, 2 cores)."""
+    channels_last = device.type == "cuda" and any(isinstance(m, nn.Conv2d) for m in model.modules())
     return (model.to(device, memory_format=torch.channels_last if channels_last else torch.preserve_format),
             channels_last)
 

@@ -139,11 +139,12 @@ def normalize_on_device(
     device: torch.device,
     channels_last: bool = False,
 ) -> torch.Tensor:
-    """uint8 N x C x H x W (any device) -> normalised float32 on `device`.
+    """uint8 N x C x H x W (any device) -> normalised float32 on `device`, in the model's layout:
+    channels_last, else contiguous (an image folder's batches come channels_last, and a
+    convolution follows its input's layout: learner.to_device says why CPU models are contiguous).
 
     `mean` and `std` are C x 1 x 1 tensors already on `device`, in 0..255 units.
     """
     x = images.to(device, non_blocking=True)
-    if channels_last:
-        x = x.contiguous(memory_format=torch.channels_last)
+    x = x.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     return x.float().sub_(mean).div_(std)
