@@ -19,6 +19,7 @@ hour. Each machine type's GPUs train at the rates measured on that GPU (`rates_f
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -147,8 +148,8 @@ class CostProjection:
 
     @property
     def usd(self) -> float | None:
-        m = self.machine
-        return None if m.price is None else self.machines * m.price.usd_per_hour * self.total_s / 3600
+        price = self.machine.price
+        return None if price is None else dataclasses.replace(price, machines=self.machines).cost(self.total_s)
 
 
 def project_cost(recipe: Recipe, rates: Rates, machine: MachineType, machines: int, scaling: float = 1.0,

@@ -332,12 +332,19 @@ def print_cost_projection(console: Console, args: argparse.Namespace) -> int:
         raise SpeedrunError("--gpus goes with --project alone; with --machines give --count")
     measured = [read_gpu_rates(spec) for spec in args.project]
     counts = parse_counts(args.count)
+    if args.startup_min < 0:
+        raise SpeedrunError(f"--startup-min must be 0 or more, got {args.startup_min:g}")
     names = [t.strip() for t in args.machines.split(",") if t.strip()]
     unknown = [t for t in names if gpus_of(t) is None]
     if unknown or not names:
         from speedrun.cluster.aws.pricing import INSTANCE_TYPES
         raise SpeedrunError(f"--machines {args.machines!r}: not a GPU machine type speedrun knows "
                             f"({', '.join(unknown) or 'none given'}); known: {', '.join(INSTANCE_TYPES['gpus'])}")
+    for t in names:  # refused before any price is asked for (AWS, with credentials)
+        gpus, gpu = gpus_of(t)
+        if rates_for(gpu, measured) is None:
+            raise SpeedrunError(f"{t} has {gpu} GPUs and no rates were given for them: "
+                                f"add --project {gpu}:SIZE=IMAGES_PER_S,... or a GPU check's summary from one")
     prices, price_note = offer_prices(names, args.spot)
     types = [MachineType(t, *gpus_of(t), prices[t]) for t in names]
     console.print(f"assumptions: scaling {args.scaling:g} of linear across GPUs; evaluation {EVAL_SPEEDUP:g}x the "
@@ -346,12 +353,9 @@ def print_cost_projection(console: Console, args: argparse.Namespace) -> int:
     for recipe in projected_recipes(args):
         rows, options = [], []
         for m in types:
-            rates = rates_for(m.gpu, measured)
-            if rates is None:
-                raise SpeedrunError(f"{m.name} has {m.gpu} GPUs and no rates were given for them: "
-                                    f"add --project {m.gpu}:SIZE=IMAGES_PER_S,... or a GPU check's summary from one")
             for n in counts or [max(1, -(-recipe.world_size // m.gpus))]:
-                options.append(project_cost(recipe, rates, m, n, args.scaling, args.startup_min * 60))
+                options.append(project_cost(recipe, rates_for(m.gpu, measured), m, n, args.scaling,
+                                            args.startup_min * 60))
         fastest = min(options, key=lambda o: o.total_s)
         priced = [o for o in options if o.usd is not None]
         cheapest = min(priced, key=lambda o: o.usd) if priced else None

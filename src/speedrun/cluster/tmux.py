@@ -338,14 +338,16 @@ cmd_running "$d" || group_alive "$p" || return 0
 # once torchrun is gone they could no longer be found). A worker left running would hold the run
 # directory's lock and its GPU against the next run.
 tree=$(descendants "$p")
+gone_within() {{  # all of them ended within $1 polls of 0.05 s?
+    for _ in $(seq "$1"); do group_alive "$p" || any_alive $tree || return 0; sleep 0.05; done; return 1
+}}
 kill -HUP -- "-$p" 2>/dev/null || kill -HUP "$p" 2>/dev/null
 [ -z "$tree" ] || kill -HUP $tree 2>/dev/null
-for _ in $(seq {int(grace_s / 0.05)}); do group_alive "$p" || any_alive $tree || return 0; sleep 0.05; done
+gone_within {int(grace_s / 0.05)} && return 0
 kill -KILL -- "-$p" 2>/dev/null; [ -z "$tree" ] || kill -KILL $tree 2>/dev/null
 # SIGKILL takes effect soon, not at once: return when they are gone (bounded: a process in an
 # uninterruptible wait goes only when that wait ends).
-for _ in $(seq {int(KILL_WAIT_S / 0.05)}); do group_alive "$p" || any_alive $tree || return 0; sleep 0.05; done
-return 0""")
+gone_within {int(KILL_WAIT_S / 0.05)}; return 0""")
 
 
 def follow_log(cmd_dir: str, poll_s: float = 0.2) -> str:

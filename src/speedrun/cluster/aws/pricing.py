@@ -82,12 +82,15 @@ def listed_price(s: Session, instance_type: str) -> tuple[float, str] | None:
             log.info("the AWS Price List API did not answer (%s); using the table of %s", type(e).__name__,
                      PRICES_AS_OF)
             usd = None
-        if usd is not None:
-            s.prices[key] = (usd, f"{PRICE_LIST_SOURCE}, {dt.date.today().isoformat()}")
-        else:
-            table = table_price(s.region, instance_type)
-            s.prices[key] = (table, f"on-demand table of {PRICES_AS_OF}") if table is not None else None
+        s.prices[key] = ((usd, f"{PRICE_LIST_SOURCE}, {dt.date.today().isoformat()}") if usd is not None
+                         else table_offer(s.region, instance_type))
     return s.prices[key]
+
+
+def table_offer(region: str, instance_type: str) -> tuple[float, str] | None:
+    """The table's on-demand $ per hour and its source line; None where it has none."""
+    usd = table_price(region, instance_type)
+    return (usd, f"on-demand table of {PRICES_AS_OF}") if usd is not None else None
 
 
 def spot_price(s: Session, instance_type: str, zone: str) -> float | None:
@@ -131,8 +134,8 @@ def offer_prices(instance_types: list[str], spot: bool) -> tuple[dict[str, Price
     except SpeedrunError as e:  # no boto3 or no credentials: the table is what there is
         if spot:
             return dict.fromkeys(instance_types), f"no spot prices without AWS access ({e})"
-        return ({t: Price(t, "on-demand", 1, usd, f"on-demand table of {PRICES_AS_OF}") if usd is not None else None
-                 for t in instance_types for usd in [table_price("us-east-1", t)]},
+        offers = {t: table_offer("us-east-1", t) for t in instance_types}
+        return ({t: Price(t, "on-demand", 1, *offer) if offer else None for t, offer in offers.items()},
                 f"the on-demand table of {PRICES_AS_OF}, us-east-1 (no AWS access: {e})")
     prices = {t: offer_price(s, t, spot) for t in instance_types}
     sources = sorted({p.source for p in prices.values() if p is not None})
