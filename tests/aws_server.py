@@ -5,7 +5,7 @@
         make_job("demo", 2, provider="aws", zone=aws.zone, vpc_cidr=AWSTestServer.VPC_CIDR, ...)
 
 boto3 talks HTTP to moto's own server application; this is the only emulated part of speedrun's
-tests. Between the two sits a small WSGI layer doing four things, and only these:
+tests. Between the two sits a small WSGI layer doing five things, and only these:
 
 1. The placement-group calls, which moto 5.2 does not implement (CreatePlacementGroup,
    DescribePlacementGroups, DeletePlacementGroup), emulated in memory: RunInstances naming an
@@ -24,6 +24,8 @@ tests. Between the two sits a small WSGI layer doing four things, and only these
    all): answered from the prices a test lists (`list_price`), in AWS's shape (PriceList: JSON
    texts of products whose terms.OnDemand...pricePerUnit.USD is the price), for the filters
    speedrun sends (instanceType, regionCode); nothing listed: an empty PriceList.
+5. It notes each call's parameters as sent (`sent`), emulating nothing: moto keeps neither an
+   interface's InterfaceType nor its NetworkCardIndex, so tests read EFA's layout in the request.
 
 The VPC range for tests is 198.51.100.0/24 (TEST-NET-2): speedrun gives zone i of the region the
 i-th /28 of it, which is network slot i of tests/netns.py, so the cluster's slot decides the zone
@@ -79,6 +81,7 @@ class AWSTestServer:
         self.booted: dict[str, NetnsHost] = {}  # instance id -> its host
         self.placement_of: dict[str, str] = {}  # instance id -> its placement group, until terminated
         self.calls: list[str] = []  # every action asked for, in order
+        self.requests: list[tuple[str, dict[str, str]]] = []  # and its parameters, as sent (query protocol)
         self.listed: dict[tuple[str, str], float] = {}  # (region, instance type) -> on-demand $/h (GetProducts)
         self._lock = threading.Lock()
         self._server = None
@@ -149,6 +152,10 @@ class AWSTestServer:
         """Have the Price List API list `instance_type`'s on-demand Linux price in `region`."""
         self.listed[(region, instance_type)] = usd_per_hour
 
+    def sent(self, action: str) -> list[dict[str, str]]:
+        """The parameters of each `action` request speedrun sent, in order (e.g. RunInstances')."""
+        return [params for name, params in self.requests if name == action]
+
     def reset(self) -> None:
         """Forget faults and everything moto holds (a new account); booted hosts go down."""
         self.faults.clear()
@@ -156,6 +163,7 @@ class AWSTestServer:
         self.placement_groups.clear()
         self.placement_of.clear()
         self.calls.clear()
+        self.requests.clear()
         for host in list(self.booted.values()):
             self.cluster.remove_host(host)
         self.booted.clear()
@@ -171,6 +179,7 @@ class AWSTestServer:
         action = params.get("Action", "") or environ.get("HTTP_X_AMZ_TARGET", "").rpartition(".")[2]
         if action:
             self.calls.append(action)
+            self.requests.append((action, params))
         fault = next((f for f in self.faults if self._matches(f, action, params)), None)
         if fault is not None and fault.code is None:
             # Not "<html>..." (botocore reads that as a bare HTTP error) and not XML either (<br>).

@@ -22,7 +22,7 @@ from slurm_cluster import SlurmCluster, require
 from speedrun.cli import main
 from speedrun.cluster import make_job, open_job
 from speedrun.cluster.slurm.config import SlurmConfig
-from speedrun.cluster.slurm.scripts import array_script, batch_script, node_script
+from speedrun.cluster.slurm.scripts import array_script, batch_script, node_script, step_script
 from speedrun.track import read_jsonl
 from test_distributed import write_recipe
 
@@ -118,7 +118,9 @@ def test_the_scripts_given_to_slurm_are_valid_bash_with_the_options_asked_for(tm
     batch = batch_script(job="j", name="train", nodes=2, run_dir="/r", cwd="/c", config=config, python="python3")
     node = node_script(job="j", name="train", nodes=2, run_dir="/r", env={"A": "it's"})
     array = array_script(job="j", name="ablate", count=4, limit=2, run_dir="/r", cwd="/c", config=config)
-    for text in (batch, node, array):
+    step = step_script(job="j", name="check", nodes=2, run_dir="/r", cwd="/c", config=config, python="python3",
+                       nproc_per_node=8, join_timeout_s=120, command="-m speedrun.cluster.allreduce --out '/r/c.json'")
+    for text in (batch, node, array, step):
         (tmp_path / "s.sh").write_text(text)
         assert subprocess.run(["bash", "-n", tmp_path / "s.sh"], capture_output=True, text=True).stderr == ""
     sbatch = [ln.split(" ", 1)[1] for ln in batch.splitlines() if ln.startswith("#SBATCH ")]
@@ -347,3 +349,18 @@ def test_ablate_on_a_slurm_job_runs_as_a_job_array_and_compare_reads_it_back(in_
     assert elements == ["0.out", "1.out"]  # one array element per run
     code, out, err = speedrun(capsys, "compare", "ablated", "--plot", str(tmp_path / "job.png"))
     assert code == 0 and "2 runs" in out, out + err
+
+
+def test_check_runs_as_a_slurm_job_of_its_own_and_measures_the_nodes_all_reduce(in_cluster, tmp_path, capsys):
+    job = make_job("checked", 2, provider="slurm", run_root=str(tmp_path))
+    code, out, err = speedrun(capsys, "check", "checked", "--size", "1", "--iters", "3")
+    assert code == 0, out + err
+    res = json.loads((Path(job.run_dir) / "check.json").read_text())
+    assert (res["backend"], res["ranks"], res["nodes"], res["machines"]) == ("gloo", 2, 2, 2)
+    assert [r["bytes"] for r in res["results"]][-1] == 1 << 20 and all(r["wrong"] == 0 for r in res["results"])
+    for r in res["results"]:  # busbw = algbw x 2(n-1)/n, n = 2
+        assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"]) and r["busbw_GBps"] > 0
+    assert f"verdict: {res['verdict']}" in out and "no nominal bandwidth is known" in res["verdict"]
+    folder = Path(job.run_dir) / "slurm" / "check"
+    assert (folder / "status").read_text().strip() == "0" and list(folder.glob("slurm-*.out"))
+    assert not (Path(job.run_dir) / "slurm" / "job_id").exists()  # the job's own Slurm job is not this one

@@ -1,4 +1,4 @@
-"""`speedrun launch | ls | attach | logs | kill | down | tb`: the cluster API from the command line.
+"""`speedrun launch | ls | attach | logs | kill | down | tb | check`: the cluster API from the command line.
 
     speedrun launch demo --provider ssh --hosts gpu1,gpu2 --run-root /shared/runs \\
         -- -m speedrun train --recipe tiny --out {run_dir}
@@ -8,6 +8,7 @@
     speedrun attach demo 1
     speedrun tb demo
     speedrun kill demo
+    speedrun check r50
     speedrun down r50
 
 `launch` starts one torchrun per task with what follows `--` (`{run_dir}` there becomes the run
@@ -24,6 +25,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from speedrun.cluster.check import add_check_command
 from speedrun.cluster.aws.cli import AWS_OPTIONS, DOWN_REFUSED, add_aws_options, down_all, is_aws_secret
 from speedrun.cluster.slurm.cli import add_slurm_options, slurm_options
 from speedrun.errors import EXIT_BAD_INPUT, EXIT_FAILED, SpeedrunError, stop_on_sigterm
@@ -92,6 +94,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("name", help="job name")
     p.add_argument("--port", type=int, default=None, help="local port (default: a free one)")
     p.set_defaults(func=cmd_tb)
+
+    add_check_command(sub)
 
 
 def add_launch_options(p: argparse.ArgumentParser) -> None:

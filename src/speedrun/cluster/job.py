@@ -18,6 +18,7 @@ import shlex
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence, TextIO
@@ -30,7 +31,7 @@ from speedrun.cluster.task import (Command, CommandFailed, CommandLost, Result, 
                                    until_lost)
 from speedrun.cluster.states import STOPPED_BY, TaskStatus, telling_line
 from speedrun.cluster.utils import REACH_TIMEOUT_S, parallel
-from speedrun.errors import SpeedrunError
+from speedrun.errors import EXIT_FAILED, SpeedrunError
 from speedrun.money import PRICE_ENV, Price
 
 log = logging.getLogger("speedrun.cluster")
@@ -83,6 +84,13 @@ class Launch:
     name: str
     env: dict[str, str]
     join_timeout_s: float = JOIN_TIMEOUT_S
+
+
+class StepTimedOut(SpeedrunError):
+    """A one-off command on the job's tasks (run_step) ran past its time and was stopped: the
+    machines or the network, not the input, so the CLI exits 3."""
+
+    exit_code = EXIT_FAILED
 
 
 def check_join_timeout(seconds: float, what: str) -> float:
@@ -256,6 +264,22 @@ class Job:
             return t.run(torchrun, background=True, name=name, env={**variables, **(env or {})})
 
         return parallel(start, self.tasks)
+
+    def run_step(self, command: str | Sequence[str], *, nproc_per_node: int, name: str,
+                 timeout_s: float | None = None) -> None:
+        """Run `command` once on every task under torchrun (as launch does, in a window `name`,
+        beside whatever the job runs) and wait for it, at most timeout_s seconds (then it is
+        stopped: StepTimedOut). CommandFailed (or HostLost) when a task fails, as
+        wait raises."""
+        commands = self.launch(command, nproc_per_node=nproc_per_node, name=name, restart=True)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        try:
+            self.wait(name, timeout=timeout_s)
+        except SpeedrunError:
+            if deadline is None or time.monotonic() < deadline:
+                raise  # a failure, which wait has stopped the other tasks for
+            self.stop_commands(commands, f"{name} ran past {timeout_s:g} s")
+            raise StepTimedOut(f"job {self.name}: {name} did not end within {timeout_s:g} s; stopped") from None
 
     def run_each(self, commands: Sequence[str], *, name: str, cwd: str,
                  say: Callable[[str], None] = log.info) -> None:

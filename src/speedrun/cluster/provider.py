@@ -35,6 +35,15 @@ class Billing:
     price_source: str  # where the price comes from, e.g. "spot price history" or "on-demand table of 2025-06"
 
 
+@dataclass(frozen=True)
+class NetworkSpec:
+    """What the machines' network promises, held against what `speedrun check` measures."""
+
+    gbps: float  # nominal bandwidth of one machine's network, Gbit/s (all its cards together)
+    source: str  # where that figure comes from, e.g. "p4d.24xlarge: 4 network cards x 100 Gbit/s"
+    efa: bool = False  # launched with EFA interfaces: NCCL should move data over EFA, not sockets
+
+
 class Provider(ABC):
     """Hands out hosts. Each kind is one class in providers.PROVIDERS, made from make_job's arguments
     (`from_args`) or from the record saved with a job (`from_record`)."""
@@ -88,6 +97,11 @@ class Provider(ABC):
 
     def price(self, machines: int) -> Price | None:
         """What `machines` of these cost per hour, if the provider knows (AWS); None: unknown."""
+        return None
+
+    def network(self) -> NetworkSpec | None:
+        """What these machines' network promises, where the provider knows (AWS: the instance
+        type's); None: unknown."""
         return None
 
     def billing(self) -> Billing | None:

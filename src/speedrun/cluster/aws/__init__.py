@@ -38,8 +38,10 @@ other by their full path, never through this face:
     api.py        boto3, a region's clients (Session), each AWS failure as one line (aws_errors)
     config.py     AWSConfig (make_job's options), check_ssh_cidr, the fixed names and the tags
     resources.py  the account's resources, found by tag or made once: Network (VPC, gateway,
-                  security group, subnets), ingress, key pair (key_path), placement group, EFS,
+                  security group, subnets), its rules, key pair (key_path), placement group, EFS,
                   the image (find_image)
+    efa.py        EFA: which types have it, the interfaces to launch with, Elastic IPs for
+                  them, NCCL's variables, the host's check for libfabric's EFA provider
     pricing.py    prices (on-demand table, spot history), billing, vCPU quotas
     instances.py  finding a job's instances, launching, starting, terminating, reaching them over
                   SSH (instance_host, wait_for_ssh, forget_host_key)

@@ -138,6 +138,7 @@ class Session:
         self._session = session
         self._pricing = None
         self.prices: dict[tuple[str, str], Any] = {}  # what pricing.listed_price found, by (market, type)
+        self.networks: dict[str, Any] = {}  # what efa.type_network found, by instance type
 
     def pricing(self) -> Any:
         """The Price List API's client. Its endpoints are in a few regions only (us-east-1 serves

@@ -10,7 +10,8 @@ import sys
 from speedrun.errors import EXIT_BAD_INPUT, EXIT_FAILED
 
 # AWSConfig's fields that launch takes as options (default None: AWSConfig's own default).
-AWS_OPTIONS = ("instance_type", "image", "spot", "on_demand_fallback", "placement_group", "shared_storage", "region",
+AWS_OPTIONS = ("instance_type", "image", "spot", "on_demand_fallback", "placement_group", "efa", "shared_storage",
+               "region",
                "zone", "disk_gb", "ssh_user", "ssh_cidr", "ssh_cidr_allow_wide", "private_ips", "vpc_cidr",
                "data_snapshot", "data_s3",
                "data_mount", "instance_profile", "autostop")
@@ -26,6 +27,9 @@ def add_aws_options(p: argparse.ArgumentParser) -> None:
                    help="with --spot: use on-demand when no zone has spot capacity")
     g.add_argument("--no-placement-group", dest="placement_group", action="store_false", default=None,
                    help="do not launch into a cluster placement group")
+    g.add_argument("--efa", choices=["auto", "on", "off"], default=None,
+                   help="EFA interfaces on every network card, for NCCL at full network speed: auto (default) "
+                        "where the instance type has EFA, on (refuse a type without it), off")
     g.add_argument("--no-shared-storage", dest="shared_storage", action="store_false", default=None,
                    help="no EFS file system (run directories then stay on each host)")
     g.add_argument("--region", help="AWS region (default: the AWS configuration's, else us-east-1)")

@@ -20,6 +20,7 @@ DATA_DEVICE = "/dev/sdf"  # where the data volume is attached (Nitro instances s
 # The widest ranges ssh_cidr may admit without ssh_cidr_allow_wide: a site's or a company's network,
 # never a good part of the internet (the rule is meant for the user's own address).
 WIDEST_SSH_PREFIX = {4: 16, 6: 48}
+EFA_CHOICES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,9 @@ class AWSConfig:
     image: an AMI id (ami-...) or a name pattern with * (the newest match of `image_owner`).
     spot: spot instead of on-demand; on_demand_fallback: use on-demand when no zone has spot capacity.
     placement_group: launch into a cluster placement group of the job's own (fast links between hosts).
+    efa: "auto": launch with an EFA interface on every network card where the type has EFA (p4d,
+        p5...; see efa.py), and have NCCL use it; "on": the same, refusing a type without EFA; "off": one
+        ordinary interface.
     shared_storage: an EFS file system mounted at `efs_mount` on every host, the default run root.
     region: None: AWS_REGION / AWS_DEFAULT_REGION / the AWS config's, else us-east-1.
     zone: launch there only; None: the region's zones in turn until one has capacity.
@@ -53,6 +57,7 @@ class AWSConfig:
     spot: bool = False
     on_demand_fallback: bool = False
     placement_group: bool = True
+    efa: str = "auto"
     shared_storage: bool = True
     region: str | None = None
     zone: str | None = None
@@ -73,6 +78,8 @@ class AWSConfig:
     def __post_init__(self) -> None:
         if self.disk_gb < 8:
             raise SpeedrunError(f"disk_gb must be at least 8 (GiB), got {self.disk_gb}")
+        if self.efa not in EFA_CHOICES:
+            raise SpeedrunError(f"efa must be one of {', '.join(EFA_CHOICES)}, got {self.efa!r}")
         if self.autostop is not None and self.autostop <= 0:
             raise SpeedrunError(f"autostop must be a positive number of minutes, got {self.autostop}")
         if self.ssh_cidr is not None:  # as AWS wants it: a network with its prefix

@@ -13,6 +13,7 @@ from typing import Any, Callable, Mapping, Sequence
 from speedrun.cluster.aws.api import Session, aws_errors, error_code
 from speedrun.cluster.aws.config import (DATA_DEVICE, GROUP_TAG, JOB_TAG, LIVE_STATES, TASK_TAG, AWSConfig,
                                          placement_group_name, tag_value, tags)
+from speedrun.cluster.aws.efa import TypeNetwork, efa_interfaces
 from speedrun.cluster.aws.pricing import quota_message
 from speedrun.cluster.aws.resources import Network, ensure_subnet
 from speedrun.cluster.hosts import AbsentHost, Host
@@ -89,11 +90,14 @@ def terminate(s: Session, ids: Sequence[str]) -> None:
 
 
 def launch(s: Session, config: AWSConfig, job: str, tasks: list[int], zones: list[str], net: Network,
-           image: dict[str, Any], key_name: str, group_zone: str | None, started: list[str]) -> list[dict[str, Any]]:
+           image: dict[str, Any], key_name: str, group_zone: str | None, started: list[str],
+           efa: TypeNetwork | None = None) -> list[dict[str, Any]]:
     """run_instances for these task indices of `job`, all in one zone: the first of `zones` with
     capacity. group_zone: where the job's placement group has instances (None: it has none);
-    launches in another zone go without the group. The new instances' ids are added to `started`
-    as soon as AWS has started them, so that a failure after that (tagging them) terminates them."""
+    launches in another zone go without the group. efa: the type's network, to launch with an EFA
+    interface on each card (None: one ordinary interface). The new instances' ids are added to
+    `started` as soon as AWS has started them, so that a failure after that (tagging them)
+    terminates them."""
     c = config
     group = placement_group_name(job)
     markets = ["spot", "on-demand"] if c.spot and c.on_demand_fallback else ["spot" if c.spot else "on-demand"]
@@ -105,7 +109,7 @@ def launch(s: Session, config: AWSConfig, job: str, tasks: list[int], zones: lis
             grouped = c.placement_group and group_zone in (None, zone)
             try:
                 r = s.ec2.run_instances(**run_instances_args(c, job, image, market, zone, subnet, net, key_name, n,
-                                                             grouped))
+                                                             grouped, efa))
             except Exception as e:
                 code = error_code(e)
                 if code in CAPACITY_ERRORS:
@@ -127,7 +131,8 @@ def launch(s: Session, config: AWSConfig, job: str, tasks: list[int], zones: lis
                      ", ".join(i["InstanceId"] for i in instances))
             if c.placement_group and not grouped:
                 log.info("they run outside placement group %s, whose instances are in %s (a cluster placement "
-                         "group holds one zone): slower links to the others", group, group_zone)
+                         "group holds one zone): slower links to the others%s", group, group_zone,
+                         "; without EFA's benefit (EFA's traffic stays in one zone's placement group)" if efa else "")
             return instances
         if market == "spot" and len(markets) > 1:
             log.info("no spot capacity for %d x %s in %s; trying on-demand", n, c.instance_type, ", ".join(tried))
@@ -140,8 +145,10 @@ def launch(s: Session, config: AWSConfig, job: str, tasks: list[int], zones: lis
 
 
 def run_instances_args(config: AWSConfig, job: str, image: dict[str, Any], market: str, zone: str, subnet: str,
-                       net: Network, key_name: str, n: int, grouped: bool) -> dict[str, Any]:
-    """RunInstances' arguments; grouped: into the job's placement group."""
+                       net: Network, key_name: str, n: int, grouped: bool,
+                       efa: TypeNetwork | None = None) -> dict[str, Any]:
+    """RunInstances' arguments; grouped: into the job's placement group; efa: with an EFA interface
+    on each of the type's network cards (efa.efa_interfaces)."""
     c = config
     disks = [{"DeviceName": image.get("RootDeviceName", "/dev/sda1"),
               "Ebs": {"VolumeSize": c.disk_gb, "VolumeType": "gp3", "DeleteOnTermination": True}}]
@@ -153,9 +160,12 @@ def run_instances_args(config: AWSConfig, job: str, image: dict[str, Any], marke
     if grouped:
         placement["GroupName"] = placement_group_name(job)
         instance_tags[GROUP_TAG] = placement_group_name(job)
+    # The subnet and security group go on the interfaces when they are given (AWS refuses both places).
+    network: dict[str, Any] = dict(SubnetId=subnet, SecurityGroupIds=[net.security_group]) if efa is None else \
+        dict(NetworkInterfaces=efa_interfaces(efa, subnet, net.security_group, public=not c.private_ips))
     args = dict(
         ImageId=image["ImageId"], InstanceType=c.instance_type, MinCount=n, MaxCount=n, KeyName=key_name,
-        SubnetId=subnet, SecurityGroupIds=[net.security_group], Placement=placement, BlockDeviceMappings=disks,
+        **network, Placement=placement, BlockDeviceMappings=disks,
         # A host that powers itself off (autostop) stops, keeping its disk; a spot one cannot stop.
         InstanceInitiatedShutdownBehavior="terminate" if market == "spot" else "stop",
         TagSpecifications=[{"ResourceType": kind, "Tags": tags(job, **instance_tags)}

@@ -12,15 +12,17 @@ from typing import Any, Mapping, Sequence
 from speedrun.cluster import registry
 from speedrun.cluster.aws.api import AWSFailed, Session
 from speedrun.cluster.aws.config import GROUP_TAG, AWSConfig, placement_group_name, tag_value
+from speedrun.cluster.aws.efa import (TypeNetwork, attach_public_addresses, efa_environment, needs_elastic_ip,
+                                      release_addresses, type_network, wants_efa)
 from speedrun.cluster.aws.instances import (forget_host_key, instance_host, job_hosts, job_instances, launch,
                                             start_stopped, terminate, wait_for_ssh, wait_running)
 from speedrun.cluster.aws.pricing import job_billing
-from speedrun.cluster.aws.resources import (Network, caller_cidr, delete_placement_group, ensure_efs, ensure_ingress,
-                                            ensure_key_pair, ensure_network, ensure_placement_group, ensure_subnet,
+from speedrun.cluster.aws.resources import (Network, caller_cidr, delete_placement_group, ensure_efs, ensure_key_pair,
+                                            ensure_network, ensure_placement_group, ensure_rules, ensure_subnet,
                                             find_image, key_path)
 from speedrun.cluster.aws.scripts import prepare_host
 from speedrun.cluster.hosts import Host
-from speedrun.cluster.provider import Billing, Provider
+from speedrun.cluster.provider import Billing, NetworkSpec, Provider
 from speedrun.money import Price
 from speedrun.cluster.ssh import SSHHost, SSHOptions
 from speedrun.cluster.utils import parallel
@@ -61,7 +63,8 @@ class AWSProvider(Provider):
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> AWSProvider:
         # A record written before ssh_cidr had a bound: its rule is in AWS already, and down must work.
-        config = AWSConfig(**{"ssh_cidr_allow_wide": True, **record["config"]})
+        # One written before EFA: its instances have one ordinary interface, and replacements match them.
+        config = AWSConfig(**{"ssh_cidr_allow_wide": True, "efa": "off", **record["config"]})
         provider = cls(record["job"], config, record["config_dir"], launch=False)
         provider.group = record.get("placement_group", provider.group)
         return provider
@@ -105,12 +108,24 @@ class AWSProvider(Provider):
         return instance_host(inst, self.config, self.known_hosts, key_path(self.session.region, self.config_dir),
                              first_contact=first_contact)
 
+    # --- the network ---
+    def efa(self) -> TypeNetwork | None:
+        """The instance type's network when the job's instances use EFA (config.efa; see efa.py),
+        else None. SpeedrunError for efa="on" and a type without it."""
+        net = type_network(self.session, self.config.instance_type) if self.config.efa != "off" else None
+        return net if net is not None and wants_efa(self.config, net) else None
+
+    def network(self) -> NetworkSpec | None:
+        net = type_network(self.session, self.config.instance_type)
+        return NetworkSpec(net.gbps, net.source, efa=self.efa() is not None) if net.gbps else None
+
     # --- bringing up ---
     def bring_up(self, count: int, *, other_zones: bool = False) -> list[Host]:
         """The job's `count` instances running and answering SSH, prepared; launched where missing:
         in the job's zone(s), and with other_zones (a replacement) then the region's other zones in
         name order, unless `zone` pins one."""
         s, c = self.session, self.config
+        efa = self.efa()  # asked first: --efa on for a type without it launches nothing
         found = job_instances(s, self.job)
         if any(tag_value(i, GROUP_TAG) or i["Placement"].get("GroupName") == self.placement_group_name
                for i in found.values()):
@@ -128,7 +143,7 @@ class AWSProvider(Provider):
         launched: list[str] = []
         try:
             net = ensure_network(s, c.vpc_cidr)
-            ensure_ingress(s, net.security_group, c.ssh_cidr or (c.vpc_cidr if c.private_ips else caller_cidr()))
+            ensure_rules(s, net.security_group, c.ssh_cidr or (c.vpc_cidr if c.private_ips else caller_cidr()))
             key_name, _ = ensure_key_pair(s, self.config_dir)
             if missing:
                 zones = sorted({inst["Placement"]["AvailabilityZone"] for inst in by_task.values()})
@@ -140,11 +155,15 @@ class AWSProvider(Provider):
                 group_zone = next((inst["Placement"]["AvailabilityZone"] for inst in by_task.values()
                                    if tag_value(inst, GROUP_TAG)
                                    or inst["Placement"].get("GroupName") == self.placement_group_name), None)
-                new = self.launch_instances(missing, order, net, key_name, group_zone, launched)
+                new = self.launch_instances(missing, order, net, key_name, group_zone, launched, efa)
                 by_task.update(zip(missing, new))
                 fresh |= set(launched)
             ids = [by_task[i]["InstanceId"] for i in range(count)]
             instances = wait_running(s, ids)
+            if efa is not None and needs_elastic_ip(efa, public=not c.private_ips) and \
+                    any(not inst.get("PublicIpAddress") for inst in instances):
+                attach_public_addresses(s, self.job, instances)  # those that have none
+                instances = wait_running(s, ids)  # described again, with their addresses
             hosts = [self.ssh_host(inst, first_contact=inst["InstanceId"] in fresh) for inst in instances]
             for inst, host in zip(instances, hosts):
                 if inst["InstanceId"] in fresh:
@@ -155,21 +174,25 @@ class AWSProvider(Provider):
             zones = {inst["Placement"]["AvailabilityZone"] for inst in instances}
             efs = {z: ensure_efs(s, ensure_subnet(s, net, z), net.security_group) for z in sorted(zones)} \
                 if c.shared_storage else {}
-            parallel(lambda pair: prepare_host(pair[1], pair[0], c, efs.get(pair[0]["Placement"]["AvailabilityZone"])),
+            parallel(lambda pair: prepare_host(pair[1], pair[0], c, efs.get(pair[0]["Placement"]["AvailabilityZone"]),
+                                               efa=efa is not None),
                      list(zip(instances, hosts)))
             return hosts
         except BaseException as e:
             if started and not launched:
                 raise
-            raise self.undo(launched, e, job_had_instances=existing > 0) from e
+            raise self.undo(launched, e, job_had_instances=existing > 0, tasks=missing) from e
 
-    def undo(self, launched: list[str], error: BaseException, *, job_had_instances: bool) -> BaseException:
-        """Terminate the instances this launch started after `error` (and the job's placement group
-        when the job has no other instance); the error to raise, naming them."""
+    def undo(self, launched: list[str], error: BaseException, *, job_had_instances: bool,
+             tasks: Sequence[int] = ()) -> BaseException:
+        """Terminate the instances this launch started after `error`, for these `tasks` (and their
+        public addresses, and the job's placement group when the job has no other instance); the
+        error to raise, naming them."""
         what = str(error) if isinstance(error, SpeedrunError) else f"interrupted ({type(error).__name__})"
         kind = type(error) if isinstance(error, SpeedrunError) else SpeedrunError  # AWSFailed stays exit 3
         try:
             terminate(self.session, launched)
+            release_addresses(self.session, self.job, tasks)
             if not job_had_instances:
                 self.delete_placement_group()
         except SpeedrunError as e2:
@@ -189,7 +212,7 @@ class AWSProvider(Provider):
         delete_placement_group(s, name)
 
     def launch_instances(self, tasks: list[int], zones: list[str], net: Network, key_name: str,
-                         group_zone: str | None, started: list[str]) -> list[dict[str, Any]]:
+                         group_zone: str | None, started: list[str], efa: TypeNetwork | None) -> list[dict[str, Any]]:
         """instances.launch for these task indices, all in one zone: the first of `zones` with capacity.
         group_zone: where the job's placement group has instances (None: it has none); launches in
         another zone go without the group. The new instances' ids are added to `started` as soon as
@@ -199,7 +222,7 @@ class AWSProvider(Provider):
         if c.placement_group:
             ensure_placement_group(s, self.placement_group_name)
             self.group = self.placement_group_name
-        return launch(s, c, self.job, tasks, zones, net, image, key_name, group_zone, started)
+        return launch(s, c, self.job, tasks, zones, net, image, key_name, group_zone, started, efa)
 
     def replace(self, index: int, count: int) -> Host:
         """A new instance for task `index` (the lost one is terminated if it still exists): in the
@@ -208,6 +231,7 @@ class AWSProvider(Provider):
         lost = job_instances(self.session, self.job).get(index)
         if lost is not None:
             terminate(self.session, [lost["InstanceId"]])
+        release_addresses(self.session, self.job, [index])  # the lost one's, if it had one
         self._hosts = self.bring_up(count, other_zones=True)
         return self._hosts[index]
 
@@ -223,7 +247,8 @@ class AWSProvider(Provider):
 
     def environment(self) -> dict[str, str]:
         # A spot instance gets two minutes' notice: `speedrun train` then stops at a step, resumable.
-        return {NOTICE_ENV: IMDS_NOTICE_URL} if self.config.spot else {}
+        env = {NOTICE_ENV: IMDS_NOTICE_URL} if self.config.spot else {}
+        return env | (efa_environment(self.config.instance_type) if self.efa() is not None else {})
 
     # --- money and lifetime ---
     def billing(self) -> Billing:
@@ -258,10 +283,14 @@ class AWSProvider(Provider):
             for address in (inst.get("PrivateIpAddress"), inst.get("PublicIpAddress")):
                 if address:
                     forget_host_key(self.known_hosts, address)
+        done = f"terminated {', '.join(ids)}; " if ids else ""
+        try:
+            release_addresses(s, self.job)
+        except SpeedrunError as e:
+            raise type(e)(f"{e}; {done}its public addresses (Elastic IPs) are left; {again}") from None
         try:
             self.delete_placement_group()
         except SpeedrunError as e:
-            done = f"terminated {', '.join(ids)}; " if ids else ""
             raise type(e)(f"{e}; {done}placement group {self.group} is left; {again}") from None
         return ids
 

@@ -91,15 +91,24 @@ def ensure_subnet(s: Session, net: Network, zone: str) -> str:
     return subnet
 
 
-def ensure_ingress(s: Session, group: str, ssh_cidr: str) -> None:
-    """The group admits TCP 22 from ssh_cidr and everything from its own members; nothing else is added."""
+def admits_members(rules: list[dict[str, Any]], group: str) -> bool:
+    """Whether these rules (ingress or egress) allow all traffic to or from the group's own members."""
+    return any(r.get("IpProtocol") == "-1" and any(p["GroupId"] == group for p in r.get("UserIdGroupPairs", []))
+               for r in rules)
+
+
+def ensure_rules(s: Session, group: str, ssh_cidr: str) -> None:
+    """The group admits TCP 22 from ssh_cidr and all traffic from its own members, and lets all
+    traffic out to its members (EFA wants both directions named, whatever else egress allows);
+    nothing else is added."""
+    members = [{"IpProtocol": "-1", "UserIdGroupPairs": [{"GroupId": group, "Description": "speedrun members"}]}]
     with aws_errors(f"set the rules of security group {group}"):
-        rules = s.ec2.describe_security_groups(GroupIds=[group])["SecurityGroups"][0]["IpPermissions"]
-        members = any(r.get("IpProtocol") == "-1" and any(p["GroupId"] == group for p in r.get("UserIdGroupPairs", []))
-                      for r in rules)
-        if not members:
-            s.ec2.authorize_security_group_ingress(GroupId=group, IpPermissions=[
-                {"IpProtocol": "-1", "UserIdGroupPairs": [{"GroupId": group, "Description": "speedrun members"}]}])
+        described = s.ec2.describe_security_groups(GroupIds=[group])["SecurityGroups"][0]
+        rules = described["IpPermissions"]
+        if not admits_members(rules, group):
+            s.ec2.authorize_security_group_ingress(GroupId=group, IpPermissions=members)
+        if not admits_members(described.get("IpPermissionsEgress", []), group):
+            s.ec2.authorize_security_group_egress(GroupId=group, IpPermissions=members)
         # IPv4 and IPv6 ranges are separate lists, with keys of their own.
         v6 = ipaddress.ip_network(ssh_cidr).version == 6
         ranges, key = ("Ipv6Ranges", "CidrIpv6") if v6 else ("IpRanges", "CidrIp")

@@ -1,12 +1,14 @@
 """Preparing an AWS host: one idempotent shell script (`prepare_script`, run by `prepare_host`)
-that mounts EFS, mounts or syncs the data, and starts the autostop watcher, written for the
-host's distribution family (apt-get or yum)."""
+that checks for libfabric's EFA provider where the host has EFA, mounts EFS, mounts or syncs the
+data, and starts the autostop watcher, written for the host's distribution family (apt-get or
+yum)."""
 from __future__ import annotations
 
 import shlex
 from typing import Any
 
 from speedrun.cluster.aws.config import DATA_DEVICE, AWSConfig
+from speedrun.cluster.aws.efa import efa_check_script
 from speedrun.cluster.hosts import Host
 from speedrun.errors import SpeedrunError, last_line
 
@@ -90,9 +92,13 @@ echo $! >"{state}/pid"
 """
 
 
-def prepare_script(os_ids: str, inst: dict[str, Any], config: AWSConfig, efs: tuple[str, str] | None) -> str:
-    """The host's preparation: shared storage, data and the autostop watcher (idempotent)."""
+def prepare_script(os_ids: str, inst: dict[str, Any], config: AWSConfig, efs: tuple[str, str] | None, *,
+                   efa: bool = False) -> str:
+    """The host's preparation: the EFA check (efa: launched with EFA), shared storage, data and
+    the autostop watcher (idempotent)."""
     parts = ['set -e\nSUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo\n']
+    if efa:
+        parts.append(efa_check_script(config.instance_type))
     if efs is not None:
         parts.append(efs_mount_script(os_ids, efs[1], config.efs_mount))
     volume = next((m["Ebs"]["VolumeId"] for m in inst.get("BlockDeviceMappings", [])
@@ -106,9 +112,10 @@ def prepare_script(os_ids: str, inst: dict[str, Any], config: AWSConfig, efs: tu
     return "".join(parts)
 
 
-def prepare_host(host: Host, inst: dict[str, Any], config: AWSConfig, efs: tuple[str, str] | None) -> None:
+def prepare_host(host: Host, inst: dict[str, Any], config: AWSConfig, efs: tuple[str, str] | None, *,
+                 efa: bool = False) -> None:
     """Run the host's preparation script there; SpeedrunError naming the instance when it fails."""
-    script = prepare_script(os_id(host), inst, config, efs)
+    script = prepare_script(os_id(host), inst, config, efs, efa=efa)
     r = host.shell(script)
     if r.returncode != 0:
         raise SpeedrunError(f"preparing {host.name} ({inst['InstanceId']}) failed: {last_line(r.stderr, 'no message')}")

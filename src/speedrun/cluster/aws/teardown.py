@@ -1,6 +1,6 @@
 """`speedrun down --all`: everything speedrun made in a region, found by its tag (`find_everything`)
-and removed in dependency order (`remove_everything`): instances, placement groups, EFS file
-systems, the VPC with its subnets, gateway and security group, key pairs."""
+and removed in dependency order (`remove_everything`): instances, their Elastic IPs, placement
+groups, EFS file systems, the VPC with its subnets, gateway and security group, key pairs."""
 from __future__ import annotations
 
 import os
@@ -25,6 +25,7 @@ class Everything:
     file_systems: list[str]
     network: Network | None
     key_pairs: list[str]
+    addresses: list[str]  # Elastic IPs (EFA instances with several interfaces), by allocation id
 
     def describe(self) -> list[str]:
         """One line per kind of thing found, naming the region, for the confirmation prompt."""
@@ -33,7 +34,8 @@ class Everything:
                  f"EFS file system(s) and everything on them (run directories): {', '.join(self.file_systems)}"
                  if self.file_systems else "",
                  f"VPC {self.network.vpc} with its subnets, gateway and security group" if self.network else "",
-                 f"key pair(s): {', '.join(self.key_pairs)}" if self.key_pairs else ""]
+                 f"key pair(s): {', '.join(self.key_pairs)}" if self.key_pairs else "",
+                 f"Elastic IP(s): {', '.join(self.addresses)}" if self.addresses else ""]
         return [f"{self.region}: {line}" for line in lines if line]
 
 
@@ -46,7 +48,8 @@ def find_everything(region: str | None) -> Everything:
         systems = [f["FileSystemId"] for f in s.efs.describe_file_systems()["FileSystems"]
                    if tag_value(f, MANAGED) == "true"]
         keys = [k["KeyName"] for k in s.ec2.describe_key_pairs(Filters=[MANAGED_FILTER])["KeyPairs"]]
-    return Everything(s.region, instances, groups, systems, find_network(s), keys)
+        addresses = [a["AllocationId"] for a in s.ec2.describe_addresses(Filters=[MANAGED_FILTER])["Addresses"]]
+    return Everything(s.region, instances, groups, systems, find_network(s), keys, addresses)
 
 
 def remove_everything(found: Everything, config_dir: str | os.PathLike | None = None) -> None:
@@ -70,6 +73,8 @@ def remove_found(s: Session, found: Everything) -> None:
     """remove_everything's steps, each of which raises when it fails."""
     terminate(s, found.instances)
     with aws_errors(f"remove speedrun's resources in {s.region}"):
+        for allocation in found.addresses:  # their instances are gone: nothing holds them now
+            s.ec2.release_address(AllocationId=allocation)
         for name in found.placement_groups:
             s.ec2.delete_placement_group(GroupName=name)
         for fs in found.file_systems:

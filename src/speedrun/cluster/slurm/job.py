@@ -10,7 +10,8 @@ Task i is the node with SLURM_NODEID i; each start of the Slurm job (the first a
 gives it a fresh command directory, so its state comes from there and from Slurm: a command with
 an exit status has ended; one without runs while Slurm says RUNNING, and was lost otherwise. The
 Slurm job's id is kept in `<run_dir>/slurm/job_id`, next to the scripts, so the run directory says
-what ran it wherever it is read.
+what ran it wherever it is read. `run_step` runs a one-off distributed command (`speedrun check`)
+as a Slurm job of its own, in `<run_dir>/slurm/<name>/`.
 """
 from __future__ import annotations
 
@@ -28,12 +29,13 @@ from typing import Any, Callable, Mapping, Sequence, TextIO
 from speedrun import files
 from speedrun.cluster import registry, tmux
 from speedrun.cluster.hosts import LocalHost
-from speedrun.cluster.job import JOIN_TIMEOUT_S, Job, Launch, check_join_timeout, check_nproc_per_node
+from speedrun.cluster.job import (JOIN_TIMEOUT_S, Job, Launch, StepTimedOut, check_join_timeout,
+                                  check_nproc_per_node)
 from speedrun.cluster.states import TaskStatus, telling_line
 from speedrun.cluster.slurm.config import SlurmConfig
 from speedrun.cluster.slurm.provider import SlurmProvider
 from speedrun.cluster.slurm.queue import SlurmJobState, active, cancel, job_state, submit
-from speedrun.cluster.slurm.scripts import array_script, batch_script, command_text, node_script
+from speedrun.cluster.slurm.scripts import array_script, batch_script, command_text, node_script, step_script
 from speedrun.cluster.slurm.submit import check_request
 from speedrun.cluster.task import CommandFailed, Result, Task, check_name, status_code, tmux_message
 from speedrun.cluster.tensorboard import TensorBoard
@@ -170,6 +172,36 @@ class SlurmJob(Job):
         files.write_text(self.slurm_dir / "job_id", job_id + "\n")
         log.info("job %s: submitted as slurm job %s (%d node(s))", self.name, job_id, n)
         return []
+
+    def run_step(self, command: str | Sequence[str], *, nproc_per_node: int, name: str,
+                 timeout_s: float | None = None) -> None:
+        """Run `command` once under one torchrun per node as a Slurm job of its own (the job's own,
+        if any, is left alone: this one may queue behind it), in `<run_dir>/slurm/<name>/`, and wait
+        for it (at most timeout_s seconds, then it is cancelled: StepTimedOut). CommandFailed when it fails."""
+        check_name(name)
+        text = command if isinstance(command, str) else shlex.join(command)
+        folder = self.slurm_dir / name
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "status").unlink(missing_ok=True)
+        script = folder / "step.sbatch"
+        files.write_text(script, step_script(job=self.name, name=name, nodes=len(self.tasks), run_dir=self.run_dir,
+                                             cwd=self.tasks[0].cwd, config=self.config, python=self.python,
+                                             nproc_per_node=nproc_per_node,
+                                             join_timeout_s=math.ceil(JOIN_TIMEOUT_S), command=text))
+        job_id = submit(str(script), what=f"submit {name} for job {self.name}")
+        log.info("job %s: %s submitted as slurm job %s (%d node(s))", self.name, name, job_id, len(self.tasks))
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while active(job_id):
+            if deadline is not None and time.monotonic() > deadline:
+                cancel(job_id)
+                raise StepTimedOut(f"job {self.name}: {name} (slurm job {job_id}) did not end within "
+                                   f"{timeout_s:g} s; cancelled")
+            time.sleep(POLL_S)  # asking the controller, as squeue users do, at a modest rate
+        status, output = _read(folder / "status"), folder / f"slurm-{job_id}.out"
+        if status != "0":
+            text = output.read_text(errors="replace") if output.exists() else ""
+            raise CommandFailed(f"{name!r} of job {self.name} (slurm job {job_id})",
+                                status_code(status) if status is not None else "killed", str(output), text)
 
     def run(self, command: str | Sequence[str], **kwargs: Any) -> list[Any]:
         raise SpeedrunError(f"job {self.name} is on Slurm: its nodes run what launch submits (one sbatch); "

@@ -41,6 +41,28 @@ def q(value: object) -> str:
     return shlex.quote(str(value))
 
 
+# Batch script lines (bash, $python set) that name the first node's address and a free port there:
+# every node's torchrun meets the others at SPEEDRUN_MASTER_ADDR:SPEEDRUN_MASTER_PORT.
+RENDEZVOUS = """head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+export SPEEDRUN_MASTER_ADDR=$(scontrol show node "$head" | sed -n 's/.* NodeAddr=\\([^ ]*\\).*/\\1/p')
+free_port='import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'
+export SPEEDRUN_MASTER_PORT=$("$python" -c "$free_port")
+"""
+
+
+def node_environment(*, job: str, nodes: int, run_dir: str) -> str:
+    """Node script lines exporting what a task's command gets: the interface that reaches the first
+    node (for gloo and NCCL) and speedrun's variables."""
+    test = f'[ {nodes} -gt 1 ] && [ -n "$dev" ] && [ "$dev" != lo ]'
+    return f"""{interface_script('"$SPEEDRUN_MASTER_ADDR"')}if {test}; then
+    # gloo and NCCL bind to the address the host name resolves to: name the one that reaches task 0.
+    export GLOO_SOCKET_IFNAME="$dev" NCCL_SOCKET_IFNAME="$dev"
+fi
+export SPEEDRUN_JOB={q(job)} SPEEDRUN_RUN_DIR={q(run_dir)} SPEEDRUN_TASK="$SLURM_NODEID" SPEEDRUN_NUM_TASKS={nodes}
+export PYTHONUNBUFFERED=1
+"""
+
+
 def batch_script(*, job: str, name: str, nodes: int, run_dir: str, cwd: str, config: SlurmConfig,
                  python: str) -> str:
     """The batch script for job `job`'s command `name` on `nodes` nodes (see the module's text)."""
@@ -88,11 +110,7 @@ if [ "$restarts" -gt 0 ]; then
 fi
 rm -f "$run_dir/stop"  # a request the last start did not get to handle
 
-head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-export SPEEDRUN_MASTER_ADDR=$(scontrol show node "$head" | sed -n 's/.* NodeAddr=\\([^ ]*\\).*/\\1/p')
-free_port='import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'
-export SPEEDRUN_MASTER_PORT=$("$python" -c "$free_port")
-export SPEEDRUN_RESUME=; checkpoint && SPEEDRUN_RESUME=1
+{RENDEZVOUS}export SPEEDRUN_RESUME=; checkpoint && SPEEDRUN_RESUME=1
 
 warned=
 warn() {{
@@ -134,7 +152,8 @@ def node_script(*, job: str, name: str, nodes: int, run_dir: str, env: dict[str,
     """What each node's task runs: a fresh command directory for the task (SLURM_NODEID), the
     command's text (`<name>.resume.sh` when the start resumes), and the command with its output
     in `log` and its exit status in `status`."""
-    exports = "".join(f"export {k}={q(v)}\n" for k, v in env.items())
+    environment = node_environment(job=job, nodes=nodes, run_dir=run_dir) + \
+        "".join(f"export {k}={q(v)}\n" for k, v in env.items())
     pattern = "[0-9]" * SEQ_DIGITS
     return f"""#!/bin/bash
 # Written by speedrun for job {job}: runs one node's command in a numbered directory of its task.
@@ -157,13 +176,7 @@ text="$run_dir/slurm/"{q(name)}.command.sh
 [ -n "${{SPEEDRUN_RESUME:-}}" ] && text="$run_dir/slurm/"{q(name)}.resume.sh
 cp "$text" "$d/command.sh"
 echo "${{SLURMD_NODENAME:-$(hostname)}}" > "$d/node"
-{interface_script('"$SPEEDRUN_MASTER_ADDR"')}if [ {nodes} -gt 1 ] && [ -n "$dev" ] && [ "$dev" != lo ]; then
-    # gloo and NCCL bind to the address the host name resolves to: name the one that reaches task 0.
-    export GLOO_SOCKET_IFNAME="$dev" NCCL_SOCKET_IFNAME="$dev"
-fi
-export SPEEDRUN_JOB={q(job)} SPEEDRUN_RUN_DIR="$run_dir" SPEEDRUN_TASK="$i" SPEEDRUN_NUM_TASKS={nodes}
-export PYTHONUNBUFFERED=1
-{exports}# Slurm signals every process of the step (scancel, a requeue, preemption): the command acts on it
+{environment}# Slurm signals every process of the step (scancel, a requeue, preemption): the command acts on it
 # (a run stops at a step); this script and tee wait for it to end, so that its last lines reach the
 # log and its exit status is the command's. (A trap, not an ignored signal: the command must get
 # the signals' default handling.)
@@ -198,4 +211,24 @@ def array_script(*, job: str, name: str, count: int, limit: int, run_dir: str, c
     return f"""#!/bin/bash
 {header}# Written by speedrun for job {job}: one of {count} independent commands ({name}), by array index.
 exec bash {q(run_dir)}/slurm/{q(name)}/"$SLURM_ARRAY_TASK_ID".sh
+"""
+
+
+def step_script(*, job: str, name: str, nodes: int, run_dir: str, cwd: str, config: SlurmConfig, python: str,
+                nproc_per_node: int, join_timeout_s: int, command: str) -> str:
+    """A batch script running `command` once under one torchrun per node, beside the job's own
+    Slurm job (never requeued): `speedrun check`'s. Its folder `<run_dir>/slurm/<name>/` gets the
+    output (slurm-<jobid>.out, lines labelled by node) and `status`, the step's exit status."""
+    folder = f"{run_dir}/slurm/{name}"
+    options = [f"--job-name={job}-{name}", f"--nodes={nodes}", "--ntasks-per-node=1", f"--chdir={cwd}",
+               f"--output={folder}/slurm-%j.out", "--no-requeue", *config.sbatch_options()]
+    header = "".join(f"#SBATCH {o}\n" for o in options)
+    node = (node_environment(job=job, nodes=nodes, run_dir=run_dir) +
+            command_text(python=python, nodes=nodes, nproc_per_node=nproc_per_node, join_timeout_s=join_timeout_s,
+                         command=command))
+    return f"""#!/bin/bash
+{header}# Written by speedrun for job {job}: {name}, once, one torchrun per node.
+python={q(python)}
+{RENDEZVOUS}srun --ntasks-per-node=1 --label bash -c {q(node)}
+echo $? > {q(folder)}/status
 """

@@ -1,0 +1,168 @@
+"""`speedrun check JOB`: how fast the job's machines all-reduce, measured on them.
+
+    speedrun check r50                 # every task, one process per GPU (one per task on CPUs)
+    speedrun check r50 --size 256 --iters 50
+
+`check_job` launches allreduce.py's benchmark on every task of the job (one torchrun per task, as
+`launch` does, in a window called `check`), waits for it, and reads the result rank 0 wrote to
+`<run_dir>/check.json`; `verdict` holds the largest message's bus bandwidth against what the
+provider says the network promises (AWS: the instance type's network cards), and names the
+transport NCCL chose when it should have used EFA and did not. The result, verdict included, stays
+in the run directory as JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import secrets
+import sys
+from typing import TYPE_CHECKING, Any
+
+from speedrun.errors import EXIT_FAILED, SpeedrunError, last_line
+
+if TYPE_CHECKING:  # annotations only: like cli.py, the command imports the job layer when it runs
+    from speedrun.cluster.job import Job
+    from speedrun.cluster.provider import NetworkSpec
+
+WINDOW = "check"
+RESULT_FILE = "check.json"
+# A measured bus bandwidth at least this share of the nominal one is what a healthy network gives
+# NCCL's ring all-reduce; below the lower share, something is wrong (a fallback to sockets, a
+# machine outside the placement group, a slow interface).
+GOOD_SHARE, POOR_SHARE = 0.5, 0.2
+
+
+def devices_per_task(job: Job) -> int:
+    """Processes per task for the check: the GPUs torch sees on task 0's host (Slurm: the job's
+    --gpus-per-node), 1 where there are none."""
+    from speedrun.cluster.slurm.job import SlurmJob  # its nodes are reached through Slurm only
+    if isinstance(job, SlurmJob):
+        return job.config.gpus_per_node or 1
+    r = job.tasks[0].host.shell(f"{job.python} -c 'import torch; print(torch.cuda.device_count())'")
+    count = r.text.strip()
+    if r.returncode != 0 or not count.isdigit():
+        raise SpeedrunError(f"cannot ask torch on {job.tasks[0].host.name} how many GPUs it has ({job.python}): "
+                            f"{last_line(r.stderr or r.text, 'no message')}")
+    return max(1, int(count))
+
+
+def check_sizes(size_mb: float, iters: int) -> None:
+    """SpeedrunError unless the largest message (MiB) and the calls per size are ones to run."""
+    if not 0 < size_mb <= 16384:
+        raise SpeedrunError(f"--size must be a message size in MiB above 0 and at most 16384, got {size_mb:g}")
+    if iters < 1:
+        raise SpeedrunError(f"--iters must be at least 1, got {iters}")
+
+
+def check_job(job: Job, *, size_mb: float = 64.0, iters: int = 20, nproc_per_node: int | None = None,
+              timeout_s: float = 900.0) -> dict[str, Any]:
+    """Run the all-reduce benchmark on every task of `job` (largest message `size_mb` MiB, `iters`
+    timed calls per size, `nproc_per_node` processes per task: default one per GPU) and return
+    its result with the verdict, also written to <run_dir>/check.json. A task that fails or a host
+    that is lost raises as Job.wait does; no result raises SpeedrunError."""
+    check_sizes(size_mb, iters)
+    nproc = nproc_per_node if nproc_per_node is not None else devices_per_task(job)
+    out = f"{job.run_dir}/{RESULT_FILE}"
+    check_id = secrets.token_hex(8)  # the result must be this check's, never an earlier one's left there
+    command = ["-m", "speedrun.cluster.allreduce", "--out", out, "--size", f"{size_mb:g}", "--iters", str(iters),
+               "--id", check_id]
+    job.run_step(command, nproc_per_node=nproc, name=WINDOW, timeout_s=timeout_s)
+    first = job.tasks[0]
+    try:
+        result = json.loads(first.read(out))
+    except (SpeedrunError, ValueError) as e:
+        raise SpeedrunError(f"job {job.name}: the check ended but left no result in {out} ({e})") from None
+    if result.get("id") != check_id:
+        raise SpeedrunError(f"job {job.name}: the check ended but {out} holds an earlier check's result")
+    result["machines"] = job.machine_count()  # local jobs: tasks that share a machine
+    spec = job.provider.network()
+    result["nominal_gbps"] = spec.gbps if spec else None
+    result["nominal_source"] = spec.source if spec else None
+    result["efa_expected"] = bool(spec and spec.efa)
+    result["verdict"] = verdict(result, spec)
+    first.write(out, json.dumps(result, indent=1) + "\n")
+    result["path"] = out
+    return result
+
+
+def verdict(result: dict[str, Any], spec: NetworkSpec | None) -> str:
+    """One line on the largest message's bus bandwidth: against the network's nominal bandwidth
+    (spec), and naming a transport that is not the one the machines were launched for (EFA)."""
+    largest = result["results"][-1]
+    gbps = largest["busbw_GBps"] * 8
+    measured = f"{gbps:,.1f} Gbit/s bus bandwidth at {largest['bytes'] / 2**20:g} MiB"
+    if any(r["wrong"] for r in result["results"]):
+        return f"WRONG: some sums were wrong ({measured}); the devices or the library are at fault"
+    if result["machines"] < 2:
+        return (f"one machine: {measured} between its {result['ranks']} processes; no network between "
+                f"machines was used")
+    if spec is not None and spec.efa and result["backend"] == "nccl" and result["transport"] != "EFA":
+        return (f"SLOW: NCCL moved data over {result['transport'] or 'an unnamed transport'}, not EFA ({measured}): "
+                f"the image lacks aws-ofi-nccl or libfabric's EFA provider (the AWS Deep Learning AMI has both)")
+    if spec is None:
+        return f"{measured}; no nominal bandwidth is known for these machines to hold it against"
+    share = gbps / spec.gbps
+    word = "good" if share >= GOOD_SHARE else "below nominal" if share >= POOR_SHARE else "SLOW"
+    return f"{word}: {measured}, {share:.0%} of the nominal {spec.gbps:g} Gbit/s ({spec.source})"
+
+
+def format_table(result: dict[str, Any]) -> list[str]:
+    """The result as nccl-tests prints it: one row per message size."""
+    lines = [f"all-reduce, {result['backend']} over {result['transport'] or 'a transport NCCL did not name'}: "
+             f"{result['ranks']} processes, {result['nodes']} task(s) on {result['machines']} machine(s) "
+             f"({result['device']}), "
+             f"{result['iters']} calls per size",
+             f"{'size (B)':>12} {'count':>11} {'type':>8} {'time (us)':>11} {'algbw (GB/s)':>13} "
+             f"{'busbw (GB/s)':>13} {'#wrong':>7}"]
+    for r in result["results"]:
+        lines.append(f"{r['bytes']:>12} {r['count']:>11} {r['type']:>8} {r['time_us']:>11.1f} "
+                     f"{r['algbw_GBps']:>13.3f} {r['busbw_GBps']:>13.3f} {r['wrong']:>7}")
+    if result.get("paths"):
+        lines.append(f"NCCL's paths: {', '.join(result['paths'])}")
+    return lines
+
+
+def add_check_command(sub: argparse._SubParsersAction) -> None:
+    """`speedrun check`'s parser."""
+    p = sub.add_parser("check", help="measure how fast a job's machines all-reduce (like nccl-tests)",
+                       description="Run an all-reduce benchmark on every task of the job (one process per GPU, "
+                                   "NCCL; one per task on CPUs, gloo), print algbw and busbw per message size "
+                                   "and a verdict against the machines' nominal network bandwidth; the result "
+                                   "goes to <run_dir>/check.json.")
+    p.add_argument("name", help="job name")
+    p.add_argument("--size", type=float, default=64.0, metavar="MB", help="largest message, MiB (default 64)")
+    p.add_argument("--iters", type=int, default=20, help="timed calls per message size (default 20)")
+    p.add_argument("--nproc-per-node", type=int, default=None,
+                   help="processes per task (default: one per GPU, else 1)")
+    p.add_argument("--timeout", type=float, default=900.0, metavar="SECONDS",
+                   help="give up waiting for the check after this long (default 900)")
+    p.set_defaults(func=cmd_check)
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from speedrun.cluster.job import check_nproc_per_node
+    from speedrun.cluster.reopen import open_job
+    from speedrun.cluster.states import telling_line
+    from speedrun.cluster.task import CommandFailed
+
+    check_sizes(args.size, args.iters)  # refused before any host is asked
+    if args.nproc_per_node is not None:
+        check_nproc_per_node(args.nproc_per_node, "--nproc-per-node")
+    if not 0 < args.timeout < math.inf:
+        raise SpeedrunError(f"--timeout must be a number of seconds above 0, got {args.timeout:g}")
+    job = open_job(args.name)
+    try:
+        result = check_job(job, size_mb=args.size, iters=args.iters, nproc_per_node=args.nproc_per_node,
+                           timeout_s=args.timeout)
+    except CommandFailed as e:  # the benchmark itself failed: what the log says why, exit 3 as a failed run
+        why = telling_line(e.output.splitlines()) or "no message"
+        print(f"speedrun: job {job.name}: the check failed (exit {e.status}): {why} (log: {e.log})", file=sys.stderr)
+        return EXIT_FAILED
+    finally:
+        job.close()
+    for line in format_table(result):
+        print(line)
+    print(f"verdict: {result['verdict']}")
+    print(f"result: {result['path']}")
+    return EXIT_FAILED if result["verdict"].startswith("WRONG") else 0
