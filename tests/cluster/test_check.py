@@ -174,16 +174,18 @@ def test_check_on_three_ssh_hosts(netns3, shared_dir, job_name, capsys):
 def test_a_check_that_fails_on_a_task_is_one_line_saying_why_and_exit_3(local_job, capsys):
     job = local_job(num_tasks=2, python="python3 -S")  # a Python without site-packages: no torch there
     assert main(["check", job.name, "--nproc-per-node", "1"]) == 3
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith(f"speedrun: job {job.name}: the check failed (exit 1): ")
-    assert "No module named 'torch'" in err and "/cmds/" in err
+    lines = capsys.readouterr().err.strip().splitlines()  # the job's progress lines, then the reason
+    failed = [line for line in lines if "the check failed" in line]
+    assert failed == lines[-1:] and failed[0].startswith(f"speedrun: job {job.name}: the check failed (exit 1): ")
+    assert "No module named 'torch'" in failed[0] and "/cmds/" in failed[0] and "Traceback" not in "".join(lines)
 
 
 @pytest.mark.slow
 def test_a_check_past_its_timeout_is_stopped_one_line_exit_3_and_the_next_one_runs(local_job, capsys):
     job = local_job(num_tasks=2)
     assert main(["check", job.name, "--timeout", "0.5", "--iters", "2"]) == 3  # torch alone takes longer
-    err = capsys.readouterr().err.strip()
-    assert err == f"speedrun: error: job {job.name}: check did not end within 0.5 s; stopped"
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1] == f"speedrun: error: job {job.name}: check did not end within 0.5 s; stopped"
+    assert [line for line in lines if "error" in line] == lines[-1:]
     assert all(st.state != "running" for st in job.status("check"))  # stopped, not left running
     assert main(["check", job.name, "--size", "0.25", "--iters", "2"]) == 0  # and not in the next one's way

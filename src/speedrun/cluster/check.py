@@ -146,6 +146,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     from speedrun.cluster.states import telling_line
     from speedrun.cluster.task import CommandFailed
 
+    from speedrun.cluster.cli import show_progress
+
+    show_progress()  # what the job layer says meanwhile (a task failed, the Slurm job submitted...)
     check_sizes(args.size, args.iters)  # refused before any host is asked
     if args.nproc_per_node is not None:
         check_nproc_per_node(args.nproc_per_node, "--nproc-per-node")

@@ -125,8 +125,8 @@ class AWSProvider(Provider):
         in the job's zone(s), and with other_zones (a replacement) then the region's other zones in
         name order, unless `zone` pins one."""
         s, c = self.session, self.config
-        efa = self.efa()  # asked first: --efa on for a type without it launches nothing
         found = job_instances(s, self.job)
+        efa = self.efa()  # asked before anything is made: --efa on for a type without it makes nothing
         if any(tag_value(i, GROUP_TAG) or i["Placement"].get("GroupName") == self.placement_group_name
                for i in found.values()):
             self.group = self.placement_group_name  # launched into it earlier, whatever this launch says
