@@ -4,10 +4,12 @@ test_slurm_jobs.py)."""
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 
 import pytest
 
+from cli_run import start, wait_for
 from netns import NetnsCluster, require
 from speedrun.cli import main
 from speedrun.cluster import make_job
@@ -189,3 +191,14 @@ def test_a_check_past_its_timeout_is_stopped_one_line_exit_3_and_the_next_one_ru
     assert [line for line in lines if "error" in line] == lines[-1:]
     assert all(st.state != "running" for st in job.status("check"))  # stopped, not left running
     assert main(["check", job.name, "--size", "0.25", "--iters", "2"]) == 0  # and not in the next one's way
+
+
+@pytest.mark.slow
+def test_an_interrupted_check_is_stopped_on_every_task(local_job):
+    job = local_job(num_tasks=2)
+    check = start("check", job.name, "--iters", "100000")  # hours of calls: it is interrupted long before
+    wait_for(lambda: [st.state for st in job.status("check")] == ["running"] * 2, 120, "the check on both tasks")
+    check.send_signal(signal.SIGTERM)  # a closed terminal or `kill`, as Ctrl-C
+    _, err = check.communicate(timeout=120)
+    assert check.returncode == 130, err
+    assert all(st.state != "running" for st in job.status("check"))

@@ -16,10 +16,11 @@ import argparse
 import json
 import math
 import secrets
+import signal
 import sys
 from typing import TYPE_CHECKING, Any
 
-from speedrun.errors import EXIT_FAILED, SpeedrunError, last_line
+from speedrun.errors import EXIT_FAILED, SpeedrunError, last_line, stop_on_sigterm
 
 if TYPE_CHECKING:  # annotations only: like cli.py, the command imports the job layer when it runs
     from speedrun.cluster.job import Job
@@ -149,6 +150,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     from speedrun.cluster.cli import show_progress
 
     show_progress()  # what the job layer says meanwhile (a task failed, the Slurm job submitted...)
+    stop_on_sigterm((signal.SIGTERM, signal.SIGHUP))  # as Ctrl-C: the check is stopped on the tasks too
     check_sizes(args.size, args.iters)  # refused before any host is asked
     if args.nproc_per_node is not None:
         check_nproc_per_node(args.nproc_per_node, "--nproc-per-node")

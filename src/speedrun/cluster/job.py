@@ -269,12 +269,15 @@ class Job:
                  timeout_s: float | None = None) -> None:
         """Run `command` once on every task under torchrun (as launch does, in a window `name`,
         beside whatever the job runs) and wait for it, at most timeout_s seconds (then it is
-        stopped: StepTimedOut). CommandFailed (or HostLost) when a task fails, as
+        stopped: StepTimedOut; an interruption stops it too). CommandFailed (or HostLost) when a task fails, as
         wait raises."""
         commands = self.launch(command, nproc_per_node=nproc_per_node, name=name, restart=True)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         try:
             self.wait(name, timeout=timeout_s)
+        except KeyboardInterrupt:  # Ctrl-C (or SIGTERM) here ends the step there too
+            self.stop_commands(commands, f"{name} interrupted")
+            raise
         except SpeedrunError:
             if deadline is None or time.monotonic() < deadline:
                 raise  # a failure, which wait has stopped the other tasks for
@@ -341,7 +344,8 @@ class Job:
             raise HostLost(self.tasks[i].host.name, i, e.reason) from e
         commands: list[Command] = found  # type: ignore[assignment]
         first_failed: int | None = None
-        with concurrent.futures.ThreadPoolExecutor(max_workers=min(32, len(commands))) as pool:
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(32, len(commands)))
+        try:
             futures = {pool.submit(c.wait, timeout=timeout, check=False): i for i, c in enumerate(commands)}
             pending = set(futures)
             while pending:
@@ -350,6 +354,12 @@ class Job:
                 if failed and first_failed is None:
                     first_failed, how = failed[0]
                     self.stop_commands([commands[futures[f]] for f in pending], f"task {first_failed} {how}")
+        except BaseException:
+            # Interrupted (Ctrl-C): the waits go on in their threads, but the caller is not held up
+            # until the commands end; a caller that stops them (run_step) lets those threads end.
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        pool.shutdown()
         outcomes = sorted(futures.items(), key=lambda item: item[1])
         lost = [(i, e) for f, i in outcomes if isinstance(e := f.exception(), HostUnreachable)]
         if lost:

@@ -177,7 +177,8 @@ class SlurmJob(Job):
                  timeout_s: float | None = None) -> None:
         """Run `command` once under one torchrun per node as a Slurm job of its own (the job's own,
         if any, is left alone: this one may queue behind it), in `<run_dir>/slurm/<name>/`, and wait
-        for it (at most timeout_s seconds, then it is cancelled: StepTimedOut). CommandFailed when it fails."""
+        for it (at most timeout_s seconds, then it is cancelled: StepTimedOut; an interruption cancels
+        it too). CommandFailed when it fails."""
         check_name(name)
         text = command if isinstance(command, str) else shlex.join(command)
         folder = self.slurm_dir / name
@@ -191,12 +192,16 @@ class SlurmJob(Job):
         job_id = submit(str(script), what=f"submit {name} for job {self.name}")
         log.info("job %s: %s submitted as slurm job %s (%d node(s))", self.name, name, job_id, len(self.tasks))
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while active(job_id):
-            if deadline is not None and time.monotonic() > deadline:
-                cancel(job_id)
-                raise StepTimedOut(f"job {self.name}: {name} (slurm job {job_id}) did not end within "
-                                   f"{timeout_s:g} s; cancelled")
-            time.sleep(POLL_S)  # asking the controller, as squeue users do, at a modest rate
+        try:
+            while active(job_id):
+                if deadline is not None and time.monotonic() > deadline:
+                    cancel(job_id)
+                    raise StepTimedOut(f"job {self.name}: {name} (slurm job {job_id}) did not end within "
+                                       f"{timeout_s:g} s; cancelled")
+                time.sleep(POLL_S)  # asking the controller, as squeue users do, at a modest rate
+        except KeyboardInterrupt:  # Ctrl-C (or SIGTERM) here ends the step on the cluster too
+            cancel(job_id)
+            raise
         status, output = _read(folder / "status"), folder / f"slurm-{job_id}.out"
         if status != "0":
             text = output.read_text(errors="replace") if output.exists() else ""
