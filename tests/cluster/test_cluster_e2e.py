@@ -54,7 +54,10 @@ def test_local_launch_runs_one_torchrun_per_task(local_job, tmp_path):
     records = [json.loads(Path(job.run_dir, f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [(r["rank"], r["world_size"], r["sum"], r["task"]) for r in records] == [(0, 2, 3.0, "0"), (1, 2, 3.0, "1")]
     assert all(r["run_dir"] == job.run_dir for r in records)
-    assert [r.output.splitlines()[-1] for r in results] == ["rank 0 of 2: sum 3", "rank 1 of 2: sum 3"]
+    # Each task's log has its rank's line. Not necessarily as the last line: torchrun's exit barrier
+    # races the store on task 0's torchrun, which may close it first, and task 1's torchrun then logs
+    # "Error waiting on exit barrier" after a run that succeeded (seen under load; exit status 0).
+    assert [f"rank {i} of 2: sum 3" in r.output.splitlines() for i, r in enumerate(results)] == [True, True]
     assert [c.name for c in commands] == ["train", "train"]
     assert all(f"--nnodes=2 --node-rank={i} " in Path(c.dir, "command.sh").read_text() for i, c in enumerate(commands))
 
