@@ -13,9 +13,10 @@ reopen finds it again (open_job); provider says what a provider is, providers li
 ssh, the aws package: EC2 instances speedrun starts itself, and the slurm package: a Slurm
 cluster's nodes, one Slurm job per job); registry keeps job records;
 tensorboard serves a run's events; recovery keeps a job going when it loses machines, controller
-runs that watcher on another host and watcher stops it; check is `speedrun check` (how fast a
-job's machines all-reduce: allreduce is the benchmark it runs on them); cli (with aws/cli.py) is
-`speedrun launch | ls | attach | logs | kill | down | tb | check`. The wing imports nothing of the trainer's: only
+runs that watcher on another host and watcher stops it; check measures how fast a job's machines
+all-reduce (allreduce is the benchmark it runs on them); cli (with aws/cli.py and check_cli.py) is
+`speedrun launch | ls | attach | logs | kill | down | tb | check`, progress its lines on stderr.
+The wing imports nothing of the trainer's: only
 speedrun.errors, speedrun.files and speedrun.spot. Tests and benchmarks make hosts out of network
 namespaces (tests/netns.py), emulate AWS with moto (tests/aws_server.py) and build a real Slurm
 cluster (tests/slurm_cluster.py).

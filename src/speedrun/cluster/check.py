@@ -12,15 +12,11 @@ in the run directory as JSON.
 """
 from __future__ import annotations
 
-import argparse
 import json
-import math
 import secrets
-import signal
-import sys
 from typing import TYPE_CHECKING, Any
 
-from speedrun.errors import EXIT_FAILED, SpeedrunError, last_line, stop_on_sigterm
+from speedrun.errors import SpeedrunError, last_line
 
 if TYPE_CHECKING:  # annotations only: like cli.py, the command imports the job layer when it runs
     from speedrun.cluster.job import Job
@@ -122,52 +118,3 @@ def format_table(result: dict[str, Any]) -> list[str]:
     if result.get("paths"):
         lines.append(f"NCCL's paths: {', '.join(result['paths'])}")
     return lines
-
-
-def add_check_command(sub: argparse._SubParsersAction) -> None:
-    """`speedrun check`'s parser."""
-    p = sub.add_parser("check", help="measure how fast a job's machines all-reduce (like nccl-tests)",
-                       description="Run an all-reduce benchmark on every task of the job (one process per GPU, "
-                                   "NCCL; one per task on CPUs, gloo), print algbw and busbw per message size "
-                                   "and a verdict against the machines' nominal network bandwidth; the result "
-                                   "goes to <run_dir>/check.json.")
-    p.add_argument("name", help="job name")
-    p.add_argument("--size", type=float, default=64.0, metavar="MB", help="largest message, MiB (default 64)")
-    p.add_argument("--iters", type=int, default=20, help="timed calls per message size (default 20)")
-    p.add_argument("--nproc-per-node", type=int, default=None,
-                   help="processes per task (default: one per GPU, else 1)")
-    p.add_argument("--timeout", type=float, default=900.0, metavar="SECONDS",
-                   help="give up waiting for the check after this long (default 900)")
-    p.set_defaults(func=cmd_check)
-
-
-def cmd_check(args: argparse.Namespace) -> int:
-    from speedrun.cluster.job import check_nproc_per_node
-    from speedrun.cluster.reopen import open_job
-    from speedrun.cluster.states import telling_line
-    from speedrun.cluster.task import CommandFailed
-
-    from speedrun.cluster.cli import show_progress
-
-    show_progress()  # what the job layer says meanwhile (a task failed, the Slurm job submitted...)
-    stop_on_sigterm((signal.SIGTERM, signal.SIGHUP))  # as Ctrl-C: the check is stopped on the tasks too
-    check_sizes(args.size, args.iters)  # refused before any host is asked
-    if args.nproc_per_node is not None:
-        check_nproc_per_node(args.nproc_per_node, "--nproc-per-node")
-    if not 0 < args.timeout < math.inf:
-        raise SpeedrunError(f"--timeout must be a number of seconds above 0, got {args.timeout:g}")
-    job = open_job(args.name)
-    try:
-        result = check_job(job, size_mb=args.size, iters=args.iters, nproc_per_node=args.nproc_per_node,
-                           timeout_s=args.timeout)
-    except CommandFailed as e:  # the benchmark itself failed: what the log says why, exit 3 as a failed run
-        why = telling_line(e.output.splitlines()) or "no message"
-        print(f"speedrun: job {job.name}: the check failed (exit {e.status}): {why} (log: {e.log})", file=sys.stderr)
-        return EXIT_FAILED
-    finally:
-        job.close()
-    for line in format_table(result):
-        print(line)
-    print(f"verdict: {result['verdict']}")
-    print(f"result: {result['path']}")
-    return EXIT_FAILED if result["verdict"].startswith("WRONG") else 0

@@ -17,7 +17,6 @@ directory); run again while the job runs, it reconnects instead of starting anyt
 from __future__ import annotations
 
 import argparse
-import logging
 import signal
 import sys
 import threading
@@ -25,7 +24,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from speedrun.cluster.check import add_check_command
+from speedrun.cluster.check_cli import add_check_command
+from speedrun.cluster.progress import show_progress
 from speedrun.cluster.aws.cli import AWS_OPTIONS, DOWN_REFUSED, add_aws_options, down_all, is_aws_secret
 from speedrun.cluster.slurm.cli import add_slurm_options, slurm_options
 from speedrun.errors import EXIT_BAD_INPUT, EXIT_FAILED, SpeedrunError, stop_on_sigterm
@@ -143,21 +143,6 @@ def add_launch_options(p: argparse.ArgumentParser) -> None:
                    help="trust and pin the key of a host seen for the first time (host keys are checked strictly)")
     add_aws_options(p)
     add_slurm_options(p)
-
-
-def show_progress() -> None:
-    """Print the cluster's progress messages (reconnected, setup, pinned keys...) on stderr."""
-    logger = logging.getLogger("speedrun.cluster")
-    if not any(isinstance(h, StderrHandler) for h in logger.handlers):
-        logger.addHandler(StderrHandler())
-        logger.setLevel(logging.INFO)
-
-
-class StderrHandler(logging.Handler):
-    """Writes `speedrun: message` lines to whatever sys.stderr is at the time."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        print(f"speedrun: {record.getMessage()}", file=sys.stderr)
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
