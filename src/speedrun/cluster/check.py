@@ -16,7 +16,7 @@ import json
 import secrets
 from typing import TYPE_CHECKING, Any
 
-from speedrun.errors import SpeedrunError, last_line
+from speedrun.errors import SpeedrunError
 
 if TYPE_CHECKING:  # annotations only: like cli.py, the command imports the job layer when it runs
     from speedrun.cluster.job import Job
@@ -28,20 +28,6 @@ RESULT_FILE = "check.json"
 # NCCL's ring all-reduce; below the lower share, something is wrong (a fallback to sockets, a
 # machine outside the placement group, a slow interface).
 GOOD_SHARE, POOR_SHARE = 0.5, 0.2
-
-
-def devices_per_task(job: Job) -> int:
-    """Processes per task for the check: the GPUs torch sees on task 0's host (Slurm: the job's
-    --gpus-per-node), 1 where there are none."""
-    from speedrun.cluster.slurm.job import SlurmJob  # its nodes are reached through Slurm only
-    if isinstance(job, SlurmJob):
-        return job.config.gpus_per_node or 1
-    r = job.tasks[0].host.shell(f"{job.python} -c 'import torch; print(torch.cuda.device_count())'")
-    count = r.text.strip()
-    if r.returncode != 0 or not count.isdigit():
-        raise SpeedrunError(f"cannot ask torch on {job.tasks[0].host.name} how many GPUs it has ({job.python}): "
-                            f"{last_line(r.stderr or r.text, 'no message')}")
-    return max(1, int(count))
 
 
 def check_sizes(size_mb: float, iters: int) -> None:
@@ -59,7 +45,7 @@ def check_job(job: Job, *, size_mb: float = 64.0, iters: int = 20, nproc_per_nod
     its result with the verdict, also written to <run_dir>/check.json. A task that fails or a host
     that is lost raises as Job.wait does; no result raises SpeedrunError."""
     check_sizes(size_mb, iters)
-    nproc = nproc_per_node if nproc_per_node is not None else devices_per_task(job)
+    nproc = nproc_per_node if nproc_per_node is not None else job.devices_per_task()
     out = f"{job.run_dir}/{RESULT_FILE}"
     check_id = secrets.token_hex(8)  # the result must be this check's, never an earlier one's left there
     command = ["-m", "speedrun.cluster.allreduce", "--out", out, "--size", f"{size_mb:g}", "--iters", str(iters),

@@ -31,7 +31,7 @@ from speedrun.cluster.task import (Command, CommandFailed, CommandLost, Result, 
                                    until_lost)
 from speedrun.cluster.states import STOPPED_BY, TaskStatus, telling_line
 from speedrun.cluster.utils import REACH_TIMEOUT_S, parallel
-from speedrun.errors import EXIT_FAILED, SpeedrunError
+from speedrun.errors import EXIT_FAILED, SpeedrunError, last_line
 from speedrun.money import PRICE_ENV, Price
 
 log = logging.getLogger("speedrun.cluster")
@@ -264,6 +264,16 @@ class Job:
             return t.run(torchrun, background=True, name=name, env={**variables, **(env or {})})
 
         return parallel(start, self.tasks)
+
+    def devices_per_task(self) -> int:
+        """One process per device: the GPUs torch sees on task 0's host, 1 where there are none."""
+        t = self.tasks[0]
+        r = t.host.shell(f"{self.python} -c 'import torch; print(torch.cuda.device_count())'")
+        count = r.text.strip()
+        if r.returncode != 0 or not count.isdigit():
+            raise SpeedrunError(f"cannot ask torch on {t.host.name} how many GPUs it has ({self.python}): "
+                                f"{last_line(r.stderr or r.text, 'no message')}")
+        return max(1, int(count))
 
     def run_step(self, command: str | Sequence[str], *, nproc_per_node: int, name: str,
                  timeout_s: float | None = None) -> None:

@@ -173,6 +173,10 @@ class SlurmJob(Job):
         log.info("job %s: submitted as slurm job %s (%d node(s))", self.name, job_id, n)
         return []
 
+    def devices_per_task(self) -> int:
+        """The job's --gpus-per-node (its nodes are reached through Slurm only), 1 without GPUs."""
+        return self.config.gpus_per_node or 1
+
     def run_step(self, command: str | Sequence[str], *, nproc_per_node: int, name: str,
                  timeout_s: float | None = None) -> None:
         """Run `command` once under one torchrun per node as a Slurm job of its own (the job's own,
