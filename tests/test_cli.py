@@ -90,6 +90,15 @@ def test_every_command_has_help():
         assert proc.returncode == 0 and "usage:" in proc.stdout
 
 
+@pytest.mark.parametrize("command", [[], ["train"]])
+def test_help_names_every_exit_code(command):
+    from speedrun import errors
+    out = " ".join(speedrun_here(*command, "--help").stdout.split())  # argparse wraps the epilog
+    for code in (errors.EXIT_OK, errors.EXIT_INTERNAL, errors.EXIT_BAD_INPUT, errors.EXIT_FAILED,
+                 errors.EXIT_RESUMABLE, errors.EXIT_INTERRUPTED):
+        assert f" {code} " in f" {out} ", (code, out)
+
+
 def test_an_image_folder_with_a_fashion_mnist_recipe_names_the_recipes_that_read_one(tmp_path):
     from test_data_helpers import make_tree
 

@@ -1,9 +1,10 @@
 """The `speedrun` command line. Each command lives with the code it drives; this file only wires
 them together and turns errors into one-line messages and exit codes.
 
-Exit codes: 0 success; 1 internal error (traceback saved to a file, path printed);
-2 bad input (usage, recipe, data path, host); 3 training failed (non-finite loss, a rank died);
-130 interrupted (Ctrl-C).
+Exit codes (the README's table): 0 success; 1 internal error (traceback saved to a file, path
+printed); 2 bad input (usage, recipe, data path, a host named at launch) or a run directory that
+cannot be written (full disk, read-only); 3 failed (non-finite loss, a rank died, a job's host lost,
+AWS or Slurm failed); 75 stopped at a step on request, `--resume` continues; 130 interrupted (Ctrl-C).
 """
 from __future__ import annotations
 
@@ -26,7 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="speedrun",
         description="Train image classifiers to a target accuracy as fast as possible, on one machine or many.",
-        epilog="Exit codes: 0 ok, 1 internal error, 2 bad input, 3 training failed, 130 interrupted.",
+        epilog="Exit codes: 0 ok, 1 internal error, 2 bad input or a run directory that cannot be written, "
+               "3 failed (training, a job's host, AWS or Slurm), 75 stopped at a step (--resume continues), "
+               "130 interrupted.",
     )
     parser.add_argument("--version", action="version", version=f"speedrun {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)

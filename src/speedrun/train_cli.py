@@ -26,8 +26,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "train",
         help="train a recipe (the default: fashion-mnist)",
         description="Train a recipe to its end or its target. Under torchrun, each process trains on one device.",
-        epilog="Exit codes: 0 finished (results.json says whether the target was reached), 2 bad input, "
-        "3 training failed (non-finite loss, a rank died), 130 interrupted.",
+        epilog="Exit codes: 0 finished (results.json says whether the target was reached), 1 internal error, "
+        "2 bad input or a run directory that cannot be written (the line names the last complete checkpoint), "
+        "3 training failed (non-finite loss, a rank died), 75 stopped at a step on request (--resume continues), "
+        "130 interrupted.",
     )
     p.add_argument("--recipe", default=None, metavar="NAME|FILE",
                    help="built-in recipe name or a .py file defining `recipe` (default: fashion-mnist)")

@@ -385,7 +385,9 @@ def cmd_kill(args: argparse.Namespace) -> int:
         print(f"  {stopped.line}")
     elif stopped is not None:
         print(f"speedrun: error: {stopped.refusal(job.name, 'it may start the job again')}", file=sys.stderr)
-    return EXIT_BAD_INPUT if unreachable or (stopped is not None and not stopped.ok) else 0
+    if unreachable:  # a host of the job that does not answer is a lost one, as for logs
+        return EXIT_FAILED
+    return EXIT_BAD_INPUT if stopped is not None and not stopped.ok else 0
 
 
 def cmd_watch(args: argparse.Namespace) -> int:
