@@ -65,6 +65,8 @@ def test_two_recipe_problems_are_both_reported(tmp_path):
         (["--resume"], "no checkpoint at"),
         (["--bucket-cap-mb", "-1"], "--bucket-cap-mb must be a size in MB above 0, got -1.0"),
         (["--bucket-cap-mb", "nan"], "--bucket-cap-mb must be a size in MB above 0, got nan"),
+        (["--dist-timeout", "0"], "--dist-timeout must be a number of seconds above 0, got 0.0"),
+        (["--dist-timeout", "inf"], "--dist-timeout must be a number of seconds above 0, got inf"),
     ],
 )
 def test_bad_options(tmp_path, args, expected):

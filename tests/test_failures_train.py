@@ -1,5 +1,5 @@
-"""What a training process reports when the world fails it (issue 23): a peer that dies mid-run,
-a disk with less room than one checkpoint, `--resume` of a run that is complete, and two
+"""What a training process reports when the world fails it (issue 23): a peer that dies or stops
+answering mid-run, a disk with less room than one checkpoint, `--resume` of a run that is complete, and two
 SIGTERMs close together. Each case is a real `speedrun train` process."""
 import json
 import os
@@ -65,6 +65,34 @@ def test_a_peer_killed_mid_run_is_exit_3_naming_it_not_an_internal_error(tmp_pat
     line = stderr.strip()
     assert line.startswith("speedrun: training failed: a collective failed: rank 1 "), line
     assert f"(host {socket.gethostname()}, 127.0.0.1) probably died" in line, line
+    assert json.loads((out / "results.json").read_text())["status"] == "failed"
+    assert not list((tmp_path / "tmp0").iterdir())  # no crash file: not a bug
+
+
+def test_a_peer_that_stops_answering_fails_the_run_after_the_dist_timeout_naming_it(tmp_path):
+    """A peer cut off rather than killed (its host's link down, the machine frozen) sends no
+    reset: rank 0's collective waits `--dist-timeout` seconds for it (here rank 1 is SIGSTOPped),
+    then fails the run as a peer's death: exit 3, one line naming rank 1, results.json `failed`,
+    no crash file. The 300 s default would outlast the test's wait."""
+    recipe = write_recipe(tmp_path / "long.py", 2, 32, train=4096, val=256, epochs=50)
+    out, port = tmp_path / "run", free_port()
+    args = ["train", "--recipe", str(recipe), "--device", "cpu", "--log-every", "1", "--out", str(out),
+            "--dist-timeout", "20"]  # long enough for a loaded machine's slowest legitimate wait
+    ranks = [start(*args, env=rank_env(rank, port, tmp_path / f"tmp{rank}")) for rank in (0, 1)]
+    try:
+        wait_for(lambda: (out / "steps.jsonl").exists() or any(r.poll() is not None for r in ranks),
+                 300, "both ranks training")
+        assert all(r.poll() is None for r in ranks), [r.communicate() for r in ranks]
+        ranks[1].send_signal(signal.SIGSTOP)
+        _, stderr = ranks[0].communicate(timeout=200)
+    finally:
+        ranks[1].kill()
+        ranks[1].wait()
+    assert ranks[0].returncode == EXIT_FAILED, stderr
+    assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1, stderr
+    line = stderr.strip()
+    assert line.startswith("speedrun: training failed: a collective failed: rank 1 "), line
+    assert f"(host {socket.gethostname()}, 127.0.0.1) probably died" in line and "Timed out" in line, line
     assert json.loads((out / "results.json").read_text())["status"] == "failed"
     assert not list((tmp_path / "tmp0").iterdir())  # no crash file: not a bug
 

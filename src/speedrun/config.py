@@ -31,6 +31,7 @@ class TrainConfig:
     spot_notice_url: str | None = None  # poll it for a spot interruption notice (see speedrun.stopping)
     sync_bn: bool = False  # synchronise BatchNorm statistics across ranks
     bucket_cap_mb: float = 25.0  # DDP gradient bucket size
+    dist_timeout_s: float = 300.0  # seconds a collective waits for a peer before the run fails
     bf16_grads: bool = False  # compress gradients to bf16 for the all-reduce (CUDA only)
     price: Price | None = None  # what the machines cost (speedrun.money: given by the job layer), None: unknown
     precision: str = "auto"  # "auto" (see learner.choose_precision), "bf16", "fp16" or "fp32"

@@ -51,6 +51,7 @@ class DistContext:
     local_rank: int
     device: torch.device
     peers: tuple[Peer, ...] = ()  # every rank's, by rank; empty in a single process
+    timeout_s: float = DEFAULT_TIMEOUT_S  # how long a collective waits for a peer (seconds)
 
     @property
     def is_main(self) -> bool:
@@ -77,7 +78,8 @@ def pick_device(requested: str | None) -> str:
 
 
 def init_distributed(device_kind: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> DistContext:
-    """Join the process group torchrun describes (if any) and pick this process's device."""
+    """Join the process group torchrun describes (if any) and pick this process's device. A
+    collective that waits `timeout_s` seconds for a peer fails (`collective_failed`)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -103,7 +105,7 @@ def init_distributed(device_kind: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> 
         everyone: list = [None] * world_size
         dist.all_gather_object(everyone, this_peer())
         peers = tuple(everyone)
-    return DistContext(rank, world_size, local_rank, device, peers)
+    return DistContext(rank, world_size, local_rank, device, peers, timeout_s)
 
 
 def this_peer() -> Peer:

@@ -37,7 +37,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     recipe = cfg.recipe
     device_kind = pick_device(cfg.device)
     check_device_options(cfg, device_kind)
-    ctx = init_distributed(device_kind)
+    ctx = init_distributed(device_kind, cfg.dist_timeout_s)
     restore_sigterm = stop_on_sigterm()
     run_dir = None
     try:

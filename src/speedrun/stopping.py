@@ -24,6 +24,7 @@ exits with EXIT_RESUMABLE.
 """
 from __future__ import annotations
 
+import datetime
 import json
 import signal
 import threading
@@ -69,10 +70,11 @@ class StopRequests:
         self._previous_handler = None
         # A control group on gloo when the training group is NCCL: agreeing on the CPU does not
         # wait for the GPU's queued work. Every rank makes it, in the same order.
+        # Its timeout is the run's: a new group's default is gloo's own (30 minutes).
         self._group = None
         import torch.distributed as dist
         if ctx.world_size > 1 and dist.get_backend() != "gloo":
-            self._group = dist.new_group(backend="gloo")
+            self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=ctx.timeout_s))
 
     def __enter__(self) -> StopRequests:
         if threading.current_thread() is threading.main_thread():
@@ -142,8 +144,6 @@ class StopRequests:
     def _bounded(self, work) -> bool:
         """Wait for a collective on the control group for at most AGREE_S; False (and this rank
         stops alone from now on) when a peer is gone or does not answer."""
-        import datetime
-
         try:
             work.wait(timeout=datetime.timedelta(seconds=AGREE_S))
             return True

@@ -70,6 +70,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, metavar="MB",
                    help="DDP gradient bucket size (default 25)")
     p.add_argument("--bf16-grads", action="store_true", help="all-reduce gradients in bf16 (CUDA)")
+    p.add_argument("--dist-timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="how long a collective waits for a peer that does not answer before the run fails, "
+                        "naming it (default 300)")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser(
@@ -148,6 +151,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise SpeedrunError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if not 0 < args.bucket_cap_mb < float("inf"):  # also NaN; DDP would fail deep inside instead
         raise SpeedrunError(f"--bucket-cap-mb must be a size in MB above 0, got {args.bucket_cap_mb}")
+    if not 0 < args.dist_timeout < float("inf"):
+        raise SpeedrunError(f"--dist-timeout must be a number of seconds above 0, got {args.dist_timeout}")
     checkpoint_every, checkpoint_minutes = parse_checkpoint_every(args.checkpoint_every or ["1"])
     if args.spot_notice_url and not args.spot_notice_url.startswith(("http://", "https://")):
         raise SpeedrunError(f"bad --spot-notice-url {args.spot_notice_url!r}: "
@@ -177,6 +182,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         spot_notice_url=args.spot_notice_url,
         sync_bn=args.sync_bn,
         bucket_cap_mb=args.bucket_cap_mb,
+        dist_timeout_s=args.dist_timeout,
         bf16_grads=args.bf16_grads,
         price=price_from_env(),  # what the job layer says the machines cost (speedrun launch)
         process_start=process_start_time(),
