@@ -7,6 +7,7 @@ import pytest
 
 from cli_run import speedrun, wait_for
 from speedrun.cli import main
+from speedrun.cluster.states import REASON_CHARS, telling_line
 
 
 @pytest.mark.slow
@@ -167,3 +168,10 @@ def test_logs_of_an_unreachable_task_is_one_line_and_exit_status_3(ssh_job, netn
         assert capsys.readouterr().out == "started\n"
     finally:
         netns.hosts[1].exec(["ip", "link", "set", "eth0", "up"], check=True)
+
+
+def test_a_long_reason_is_cut_in_the_middle_keeping_what_says_why():
+    line = f"/{'d' * 300}/command.sh: line 1: nosuchprogram: command not found"
+    reason = telling_line(["started", line])
+    assert len(reason) == REASON_CHARS and reason.startswith("/ddd") and "..." in reason
+    assert reason.endswith("/command.sh: line 1: nosuchprogram: command not found")

@@ -35,7 +35,7 @@ STOPPED_BY = "stopped by speedrun"  # how a command that the job layer stopped i
 REASON_PATTERNS = (re.compile(r"^speedrun: \S"), re.compile(r"^stopped at step \d+"),
                    re.compile(r"^\S*python[\d.]*: \S"),
                    re.compile(r"\b\w*(Error|Exception)\b: \S"), re.compile(r"\bSignal \d+ \(SIG\w+\) received"))
-REASON_CHARS = 200  # a reason longer than this is cut
+REASON_CHARS = 200  # a reason longer than this is cut in the middle
 # Where torchrun starts its report of a worker that failed: its log line, then its own traceback
 # and table. The worker's last words are above it.
 TORCHRUN_REPORT = re.compile(r"\] failed \(exitcode: -?\d+\) local_rank: \d+")
@@ -64,7 +64,10 @@ def telling_line(lines: Sequence[str], *, killed: bool = False) -> str | None:
         found = before[-1] if before else text[-1] if text else None
     if found is None or len(found) <= REASON_CHARS:
         return found
-    return found[:REASON_CHARS - 3] + "..."
+    # A line's end says why (bash's "...: command not found", an exception's message): a long path
+    # in its middle is what goes.
+    head = REASON_CHARS // 3
+    return found[:head] + "..." + found[-(REASON_CHARS - head - 3):]
 
 
 def summary(states: Sequence[TaskStatus]) -> str | None:
