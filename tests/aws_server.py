@@ -318,7 +318,7 @@ def main() -> None:
     parser.add_argument("--fail", action="append", default=[], metavar="ACTION:CODE[:ZONE[:MARKET]]",
                         help="answer ACTION with the AWS error CODE, e.g. RunInstances:VcpuLimitExceeded::on-demand")
     args = parser.parse_args()
-    cluster = NetnsCluster(0)
+    cluster = NetnsCluster(0, first_slot=0)
     cluster.start()
     with contextlib.ExitStack() as stack:
         stack.callback(cluster.stop)

@@ -1,9 +1,13 @@
 """The test tiers, and fixtures shared by the trainer's tests.
 
 Tiers: plain `pytest` runs the unit tier, the tests with none of the markers in FULL_TIER (under
-90 s on two cores); `pytest --full` (what scripts/test and CI run) runs every test. A unit-tier
+60 s on two cores); `pytest --full` (what scripts/test and CI run) runs every test. A unit-tier
 test that starts a process fails, naming the marker it needs: a process means a torch import,
 a server or a host, which is what makes a suite slow. `-m EXPR` chooses tests itself, as usual.
+
+Record: every run writes each test's seconds to test-results/durations.tsv and prints the seconds
+per file (tests/suite_record.py); scripts/test shares the full suite among pytest-xdist workers,
+a whole file (or xdist group) per worker.
 
 Fixtures: small real file systems (tmpfs mounts) for read-only and full-disk cases (see fs_helpers),
 and the `speedrun train` runs that several test modules read, made once per session (full tier).
@@ -11,7 +15,9 @@ and the `speedrun train` runs that several test modules read, made once per sess
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import multiprocessing.process
+import os
 import signal
 import subprocess
 from collections.abc import Iterator
@@ -22,6 +28,7 @@ import pytest
 import torch  # noqa: F401  (here, before any test: its first import runs ldconfig, a process of its own)
 from cli_run import speedrun
 from fs_helpers import mount_tmpfs, require_root
+from suite_record import DurationRecord, make_scheduler
 
 # A test with any of these markers runs only in the full suite (pyproject.toml describes each).
 FULL_TIER = ("slow", "netns", "aws", "slurm")
@@ -38,6 +45,19 @@ def pytest_configure(config: pytest.Config) -> None:
     # on a run would watch it finish. Runs started by a terminal's user get SIGINT as usual.
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    if not hasattr(config, "workerinput"):  # the process that reports (not an xdist worker)
+        config.pluginmanager.register(DurationRecord(config), "speedrun-durations")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    return make_scheduler(config, log) if config.getvalue("dist") == "loadgroup" else None
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    # The AWS tests share one worker under xdist: one moto server, whose zones are network slots 1-5.
+    if item.get_closest_marker("aws"):
+        item.add_marker(pytest.mark.xdist_group("aws"))
 
 
 def in_full_tier(item: pytest.Item) -> bool:
@@ -102,9 +122,11 @@ def small_disk(tmp_path) -> Iterator[Path]:
     yield from tmpfs(tmp_path / "small", "size=8m", "the full-disk test")
 
 
-# Runs of the tiny recipe that several test modules read, made once per session: each is a
-# `speedrun train` process of its own (a torch import and a training run). Their users only read
-# them; a test that changes a run (--resume, a damaged file) copies it first (shutil.copytree).
+# Runs of the tiny recipe that several test modules read, made once per test session (once in all,
+# when pytest-xdist's workers share the suite: the first worker to need one makes it, the others
+# wait for it). Each is a `speedrun train` process of its own (a torch import and a training run).
+# Their users only read them; a test that changes a run (--resume, a damaged file) copies it first
+# (shutil.copytree).
 
 
 class MadeRun(NamedTuple):
@@ -114,19 +136,31 @@ class MadeRun(NamedTuple):
     stdout: str
 
 
-def train_tiny(tmp_path_factory: pytest.TempPathFactory, *args: str, name: str = "run") -> MadeRun:
-    """`speedrun train --recipe tiny --device cpu ARGS` into a new directory called `name`."""
-    out = tmp_path_factory.mktemp("tiny") / name
-    proc = speedrun("train", "--recipe", "tiny", "--device", "cpu", *args, "--out", str(out))
-    assert proc.returncode == 0, proc.stderr
-    return MadeRun(out, proc.stdout)
+def train_tiny(tmp_path_factory: pytest.TempPathFactory, *args: str, name: str) -> MadeRun:
+    """`speedrun train --recipe tiny --device cpu ARGS` into a directory called `name` (unique in
+    the session), made once for every worker of this test session."""
+    # Under xdist each worker's base directory is one level below the session's.
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    made = root / "shared-runs" / name
+    made.parent.mkdir(exist_ok=True)
+    with open(made.parent / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, even if the run fails
+        if not (made / "stdout.txt").exists():
+            made.mkdir(exist_ok=True)
+            out = made / name
+            proc = speedrun("train", "--recipe", "tiny", "--device", "cpu", *args, "--out", str(out))
+            assert proc.returncode == 0, proc.stderr
+            (made / "stdout.txt").write_text(proc.stdout)
+    return MadeRun(made / name, (made / "stdout.txt").read_text())
 
 
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory) -> Path:
     """One deterministic run of the tiny recipe, logging every step: the uninterrupted run that
     interrupted and killed ones must end exactly like (test_train, test_rundir)."""
-    return train_tiny(tmp_path_factory, "--deterministic", "--log-every", "1").out
+    return train_tiny(tmp_path_factory, "--deterministic", "--log-every", "1", name="deterministic").out
 
 
 @pytest.fixture(scope="session")
@@ -141,4 +175,4 @@ def tiny_one_epoch_run(tmp_path_factory) -> Path:
 def tiny_target_run(tmp_path_factory) -> MadeRun:
     """A run of the tiny recipe that stopped at its target, top-1 0.2, before its last epoch
     (test_train, test_failures_train): its directory and what it printed."""
-    return train_tiny(tmp_path_factory, "--target", "top1=0.2")
+    return train_tiny(tmp_path_factory, "--target", "top1=0.2", name="target")

@@ -8,9 +8,11 @@ ones: through the OpenSSH client, with a key and host keys made here, over a net
         |-- veth --> namespace speedrun-k-1: eth0 198.51.100.(16k+3), lo, sshd on port 22
         ...
 
-k is a slot (0..15) so that several test sessions can run at once (`add_subnet` puts a second
-slot's /28 on the same bridge, for hosts in two subnets of one network); a slot is held with a file lock
-for the cluster's lifetime, and whatever a crashed session left in a slot is removed before reuse.
+k is a slot (0..15) so that several test sessions (and pytest-xdist's workers) can run at once
+(`add_subnet` puts a second slot's /28 on the same bridge, for hosts in two subnets of one network);
+a slot is held with a file lock for the cluster's lifetime, and whatever a crashed session left in a
+slot is removed before reuse. Slots 0-5 are the AWS test server's zones (tests/aws_server.py: zone i
+is slot i), so a cluster that asks for no slot takes those last.
 Only addresses from 198.51.100.0/24 (TEST-NET-2) and loopback are ever used.
 
 The namespaces isolate the network only: the hosts share this machine's filesystem (which serves as
@@ -39,6 +41,7 @@ from pathlib import Path
 
 SUBNET_PREFIX = "198.51.100."
 SLOTS = 16  # 198.51.100.0/24 cut into sixteen /28 networks, one per cluster
+ZONE_SLOTS = 6  # slots 0-5: the subnets of the AWS test region's six zones
 MAX_HOSTS = 13  # a /28 has 14 usable addresses, one of them the bridge's
 LOCK_DIR = Path("/run/speedrun-netns")
 SSHD = "/usr/sbin/sshd"
@@ -110,7 +113,7 @@ class NetnsCluster:
     so) and go down with `remove_host`.
     """
 
-    def __init__(self, num_hosts: int, workdir: str | os.PathLike | None = None, first_slot: int = 0):
+    def __init__(self, num_hosts: int, workdir: str | os.PathLike | None = None, first_slot: int | None = None):
         if not 0 <= num_hosts <= MAX_HOSTS:
             raise ValueError(f"num_hosts must be 0..{MAX_HOSTS}, got {num_hosts}")
         self.num_hosts = num_hosts
@@ -312,10 +315,12 @@ class NetnsCluster:
         self.slot, self._lock_file = self._lock_slot(self.first_slot)
 
     @staticmethod
-    def _lock_slot(first: int):
-        """The first free slot from `first` on, and the open file whose lock holds it."""
+    def _lock_slot(first: int | None):
+        """The first free slot from `first` on (None: past the zone slots first, then those), and the
+        open file whose lock holds it."""
         LOCK_DIR.mkdir(parents=True, exist_ok=True)
-        for slot in range(first, SLOTS):
+        order = range(first, SLOTS) if first is not None else [*range(ZONE_SLOTS, SLOTS), *range(ZONE_SLOTS)]
+        for slot in order:
             f = open(LOCK_DIR / f"slot-{slot}.lock", "w")
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)

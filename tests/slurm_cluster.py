@@ -7,10 +7,12 @@ each node a network-namespace host of tests/netns.py.
         |-- namespace speedrun-k-2: 198.51.100.(16k+4), slurmd -N node2
         ...
 
-One munged serves them all over a socket in the cluster's directory (a path socket reaches every
-namespace, which share this machine's file system, as a real cluster shares its home directories).
-Everything the cluster keeps (slurm.conf, state, spool, logs) is in that directory too; nothing
-goes to /etc or /var. Clients find the cluster through SLURM_CONF (`env`).
+One munged serves them all over a path socket (it reaches every namespace, which share this
+machine's file system, as a real cluster shares its home directories). Everything the cluster keeps
+(slurm.conf, state, logs) is in the cluster's directory; the sockets (munged's, and the nodes' spool
+directories, where slurmstepd makes its own) are in a short one of their own under /tmp, since a
+socket's path may not exceed 108 bytes; nothing goes to /etc or /var. Clients find the cluster
+through SLURM_CONF (`env`).
 
 What a container without systemd or a cgroup file system needs: ProctrackType=proctrack/linuxproc
 (processes tracked by parentage), TaskPlugin=task/none, cgroup/v1 named in cgroup.conf (slurmd
@@ -72,6 +74,10 @@ class SlurmCluster:
         self.cred_expire_s = cred_expire_s
         self._own_workdir = workdir is None
         self.dir = Path(workdir or tempfile.mkdtemp(prefix="speedrun-slurm-"))
+        # The daemons' Unix sockets (munged's; slurmstepd's, in each node's spool directory) must have
+        # paths of at most 108 bytes: they live in a short directory of their own, not under `workdir`
+        # (pytest's, under an xdist worker's, is long).
+        self.sockets = Path(tempfile.mkdtemp(prefix="srslurm-"))
         self.netns = NetnsCluster(nodes + 1, workdir=self.dir / "netns")
         self.daemons: dict[str, subprocess.Popen] = {}
 
@@ -99,8 +105,9 @@ class SlurmCluster:
         """Namespaces, munged, slurmctld, one slurmd per node; returns once every node is idle."""
         try:
             self.netns.start()
-            for d in ("state", "munge", *(f"spool/{n}" for n in self.node_names)):
-                (self.dir / d).mkdir(parents=True, exist_ok=True)
+            (self.dir / "state").mkdir(parents=True, exist_ok=True)
+            for d in ("munge", *(f"spool/{n}" for n in self.node_names)):
+                (self.sockets / d).mkdir(parents=True, exist_ok=True)
             self._start_munged()
             self._write_config()
             controller = self.netns.hosts[0]
@@ -153,6 +160,7 @@ class SlurmCluster:
             os.kill(int(pid.read_text().split()[0]), signal.SIGTERM)
         pid.unlink(missing_ok=True)
         self.netns.stop()
+        shutil.rmtree(self.sockets, ignore_errors=True)
         if self._own_workdir:
             shutil.rmtree(self.dir, ignore_errors=True)
 
@@ -168,7 +176,7 @@ class SlurmCluster:
 
     @property
     def _munge_socket(self) -> Path:
-        return self.dir / "munge" / "munge.socket"
+        return self.sockets / "munge" / "munge.socket"
 
     def _write_config(self) -> None:
         controller = self.netns.hosts[0]
@@ -184,7 +192,7 @@ AuthInfo=socket={self._munge_socket},cred_expire={self.cred_expire_s}
 SlurmUser=root
 SlurmdUser=root
 StateSaveLocation={d}/state
-SlurmdSpoolDir={d}/spool/%n
+SlurmdSpoolDir={self.sockets}/spool/%n
 SlurmctldPidFile={d}/slurmctld.pid
 SlurmdPidFile={d}/slurmd-%n.pid
 SlurmctldLogFile={d}/slurmctld.log

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 import urllib.request
@@ -29,12 +28,10 @@ from test_distributed import write_recipe
 pytestmark = pytest.mark.slurm
 ONE_THREAD = ["--env", "OMP_NUM_THREADS=1"]  # two processes per core at most: one thread each
 TRAIN = ["-m", "speedrun", "train", "--device", "cpu", "--out", "{run_dir}"]
-# Of write_recipe's 768 images in batches of 32: 2160 steps, about 100 s of training on two nodes on
-# a quiet machine here (about 1.1 s an epoch) and 20 s to start. Well beyond the latest a 2-minute
-# limit's warning comes (60 s in: a 60 s lead, and Slurm may send it up to a minute early), so the
-# time-limit test's run is warned at least once however fast the machine (45 epochs were not: the
-# run finished as the warning came).
-EPOCHS = 90
+# Of write_recipe's 768 images in batches of 32: 720 steps, about 30 s of training on two nodes on a
+# quiet machine here and 10-20 s to start. An interruption after 60 steps leaves far more to train
+# than it takes to look at the run (the requeue test attaches to it first) and to interrupt it.
+EPOCHS = 30
 
 
 @pytest.fixture(scope="module")
@@ -236,18 +233,37 @@ def attached_view(job_name: str, task: int, socket: str) -> str:
         tmux("kill-server")  # the test cluster tracks processes by parentage: tmux's server escapes it
 
 
+def run_time_s(cluster: SlurmCluster, job_id: str) -> int:
+    """How long Slurm says the job has run, in seconds (scontrol's RunTime, [days-]hh:mm:ss)."""
+    text = cluster.client("scontrol", "show", "job", "-o", job_id).stdout
+    days, _, hms = text.split("RunTime=")[1].split()[0].rpartition("-")
+    h, m, sec = (int(x) for x in hms.split(":"))
+    return int(days or 0) * 86400 + h * 3600 + m * 60 + sec
+
+
 def test_the_time_limits_warning_stops_the_run_at_a_step_and_the_requeued_job_finishes_it(
         in_cluster, reference_run, tmp_path, capsys):
-    # Slurm sends the warning up to a minute before it is due (its events run about twice a
-    # minute): 60 s before a 2-minute limit, it comes 0-60 s into each start of the job. So the run
-    # must train for longer than that on this machine, however fast it is: at least 150 s at the
-    # reference run's pace (a quiet, fast box trained the 90 epochs in 46 s and was never warned).
+    # slurmctld looks at time limits every 30 s and sends the warning at its first look after
+    # `limit - lead`. The job starts with a limit far off (15 minutes); once it trains, its limit is
+    # moved to 1-2 minutes after now with a 3-minute lead: the warning is due already and comes at
+    # Slurm's next look, within 30 s, leaving a minute or more to stop at a step. Then the limit goes
+    # back up, so the requeued start finishes the run. The run must train for longer than Slurm's
+    # 30 s between looks, however fast this machine is: 45 s at the reference run's pace.
     done = json.loads((reference_run / "results.json").read_text())
     per_epoch_s = (done["total_s"] - done["startup_s"]) / EPOCHS
-    epochs = max(EPOCHS, math.ceil(150 / per_epoch_s))
+    epochs = max(EPOCHS, math.ceil(45 / per_epoch_s))
     recipe = write_recipe(tmp_path / "long.py", 2, 32, epochs=epochs, model="resnet-fmnist-tiny-gn")
-    run = launch(capsys, "limited", tmp_path, "-n", "2", "--time", "2", "--signal-lead", "60", "--max-requeues", "20",
-                 *ONE_THREAD, "--", *TRAIN, "--recipe", str(recipe), "--deterministic", "--log-every", "1")
+    run = launch(capsys, "limited", tmp_path, "-n", "2", "--time", "15", "--signal-lead", "180",
+                 "--max-requeues", "5", *ONE_THREAD, "--", *TRAIN, "--recipe", str(recipe), "--deterministic",
+                 "--log-every", "1")
+    wait_for(lambda: steps_logged(run) >= 5, 600, "the first steps")
+    job_id = (run / "slurm" / "job_id").read_text().strip()
+    in_cluster.client("scontrol", "update", f"JobId={job_id}",
+                      f"TimeLimit={math.ceil((run_time_s(in_cluster, job_id) + 60) / 60)}")
+    batch = run / "slurm" / f"slurm-{job_id}.out"
+    warning = "speedrun: Slurm warns that the time limit is near: asking the run to stop at a step"
+    wait_for(lambda: warning in batch.read_text(), 120, "Slurm's warning")
+    in_cluster.client("scontrol", "update", f"JobId={job_id}", "TimeLimit=15")
     code, out, err = speedrun(capsys, "launch", "limited", "--provider", "slurm", "-n", "2", "--run-root",
                               str(tmp_path), "--wait", "--", *TRAIN)
     assert code == 0, out + err
@@ -260,9 +276,7 @@ def test_the_time_limits_warning_stops_the_run_at_a_step_and_the_requeued_job_fi
     warned = [r for r in results["recoveries"] if r["reason"].startswith("the time limit was near")]
     assert warned and len(warned) == len(results["recoveries"]) == len(results["interruptions"])
     assert all(r["resumed"] and r["relaunch_s"] > 0 for r in warned)
-    batch = (run / "slurm" / f"slurm-{warned[0]['slurm_job']}.out").read_text()
-    assert "speedrun: Slurm warns that the time limit is near: asking the run to stop at a step" in batch
-    assert "on a stop request" in batch  # every rank stopped after the same step
+    assert "on a stop request" in batch.read_text()  # every rank stopped after the same step
 
 
 def test_a_command_that_fails_before_any_checkpoint_is_not_requeued_and_ls_says_why(in_cluster, tmp_path, capsys):
@@ -309,30 +323,6 @@ def test_no_sbatch_on_path_is_one_line_and_exit_2(capsys, monkeypatch, tmp_path)
                               *TRAIN, "--recipe", "tiny")
     assert code == 2 and err.startswith("speedrun: error: sinfo is not on PATH: the slurm provider runs where "
                                         "Slurm's clients are"), err
-
-
-def test_a_node_that_dies_mid_run_is_replaced_by_the_spare_and_the_run_finishes(recipe, tmp_path, capsys, monkeypatch):
-    require("the Slurm tests")
-    with SlurmCluster(3, workdir=tmp_path / "cluster") as cluster:
-        for k, v in cluster.env.items():
-            monkeypatch.setenv(k, v)
-        run = launch(capsys, "survivor", tmp_path, "-n", "2", *ONE_THREAD, "--", *TRAIN, "--recipe", str(recipe),
-                     "--log-every", "1")
-        wait_for(lambda: (run / "checkpoint.pt").exists() and steps_logged(run) >= 60, 600, "a checkpoint")
-        # node2 dies: its slurmd, its job's slurmstepd and every process it ran, at once.
-        pids = subprocess.run(["ip", "netns", "pids", cluster.netns.hosts[2].namespace], capture_output=True,
-                              text=True, check=True).stdout.split()
-        for pid in pids:
-            os.kill(int(pid), signal.SIGKILL)
-        code, out, err = speedrun(capsys, "launch", "survivor", "--provider", "slurm", "-n", "2", "--run-root",
-                                  str(tmp_path), "--wait", "--", *TRAIN)
-        assert code == 0, out + err
-        results = json.loads((run / "results.json").read_text())
-        assert results["status"] == "finished" and results["world_size"] == 2
-        assert results["recoveries"] and results["interruptions"]
-        last = sorted((run / "task-1" / "cmds").glob("*-train"))[-1]
-        assert (last / "node").read_text().strip() == "node3" and (last / "status").read_text().strip() == "0"
-        assert cluster.node_states()["node2"].startswith("down")
 
 
 def test_ablate_on_a_slurm_job_runs_as_a_job_array_and_compare_reads_it_back(in_cluster, tmp_path, capsys):
