@@ -20,7 +20,7 @@ from cli_run import in_terminal, terminal_exit, wait_for
 from slurm_cluster import SlurmCluster, require
 from speedrun.cli import main
 from speedrun.cluster import make_job, open_job
-from speedrun.cluster.slurm.config import SlurmConfig
+from speedrun.cluster.slurm.config import SlurmConfig, parse_time_limit
 from speedrun.cluster.slurm.scripts import array_script, batch_script, node_script, step_script
 from speedrun.track import read_jsonl
 from test_distributed import write_recipe
@@ -234,11 +234,9 @@ def attached_view(job_name: str, task: int, socket: str) -> str:
 
 
 def run_time_s(cluster: SlurmCluster, job_id: str) -> int:
-    """How long Slurm says the job has run, in seconds (scontrol's RunTime, [days-]hh:mm:ss)."""
+    """How long Slurm says the job has run, in seconds (scontrol's RunTime, in Slurm's time format)."""
     text = cluster.client("scontrol", "show", "job", "-o", job_id).stdout
-    days, _, hms = text.split("RunTime=")[1].split()[0].rpartition("-")
-    h, m, sec = (int(x) for x in hms.split(":"))
-    return int(days or 0) * 86400 + h * 3600 + m * 60 + sec
+    return parse_time_limit(text.split("RunTime=")[1].split()[0])
 
 
 def test_the_time_limits_warning_stops_the_run_at_a_step_and_the_requeued_job_finishes_it(
