@@ -5,8 +5,9 @@
 # without installing (PYTHONPATH=src); needs torch, torchvision, timm and rich, no network.
 # Side by side, in one run:
 #   1. ResNet-50 training images/s at 128, 224 and 288 px on synthetic data already on the GPU:
-#      a plain baseline, speedrun's step, and speedrun's step with one setting taken away each
-#      (bf16, channels_last, fused SGD, cuDNN autotuning)            -> gpu-check-step.json
+#      a plain baseline and speedrun's step at each size; at 224 px also speedrun's step with one
+#      setting taken away each (bf16, channels_last, fused SGD, cuDNN autotuning: all of them at
+#      every size ran past 150 s on an H200, ~12 s a variant)        -> gpu-check-step.json
 #   2. the same step with torch.compile at 224 px                    -> gpu-check-compile.json
 #   3. a generated ImageNet-shaped JPEG tree: ResNet-50 training fed from the JPEGs by the PIL
 #      loader and by the GPU decode path, next to the synthetic rate (first: the goals need it);
@@ -24,6 +25,9 @@
 #   gpu_check: step 3 ran out of time (180 s); its partial results are kept in OUT/gpu-check-feed.json
 # and the script exits 1 after the summary and projection, which use whatever results there are.
 #
+# GPU_CHECK_STEPS="1 3" runs only those of steps 1 to 3 (default: all), then the summary from every
+# result in the output folder: a step that failed can be run again alone into the same folder.
+#
 # GPU_CHECK_SMOKE=1 runs every step on the CPU with a tiny model, small sizes and few images, in
 # about a minute: it checks the script itself (each step's JSON and the summary and projection read
 # from them), never the speed. tests/test_gpu_check.py runs it, so the device's scarce minutes are
@@ -35,6 +39,8 @@ out=${OUT:-benchmarks/results/gpu-check}
 mkdir -p "$out"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 workers=$(nproc)
+steps_wanted=" ${GPU_CHECK_STEPS:-1 2 3} "
+wanted() { [[ $steps_wanted == *" $1 "* ]]; }
 if [ "${GPU_CHECK_SMOKE:-0}" = 1 ]; then
     model=resnet-fmnist-tiny sizes=(32 40 48) batches=(16 16 16) steps=2 warmup=1
     images=200 classes=4 feed_batch=16 workers=2 feed_warmup=2 feed_batches=2 train_steps=2 device=cpu
@@ -49,23 +55,29 @@ fi
 python3 -c "import torch, torchvision; print('torch', torch.__version__, 'torchvision', torchvision.__version__)" \
     | tee -a "$out/device.txt"
 
-echo "== 1. step settings, synthetic data (150 s at most)"
-run_step 1 150 "$out/gpu-check-step.json" "$out/step.txt" \
-    python3 benchmarks/throughput.py --model $model --sizes "${sizes[@]}" --batch "${batches[@]}" \
-    --steps $steps --warmup $warmup --variants baseline speedrun no-bf16 no-channels-last no-fused no-autotune \
-    --json "$out/gpu-check-step.json"
+if wanted 1; then
+    echo "== 1. step settings, synthetic data (150 s at most)"
+    run_step 1 150 "$out/gpu-check-step.json" "$out/step.txt" \
+        python3 benchmarks/throughput.py --model $model --sizes "${sizes[@]}" --batch "${batches[@]}" \
+        --steps $steps --warmup $warmup --variants baseline speedrun no-bf16 no-channels-last no-fused no-autotune \
+        --ablate-at "${sizes[1]}" --json "$out/gpu-check-step.json"
+fi
 
-echo "== 2. torch.compile at ${sizes[1]} px (100 s at most)"
-run_step 2 100 "$out/gpu-check-compile.json" "$out/compile.txt" \
-    python3 benchmarks/throughput.py --model $model --sizes "${sizes[1]}" --batch "${batches[1]}" \
-    --steps $steps --warmup $warmup --variants speedrun +compile --json "$out/gpu-check-compile.json"
+if wanted 2; then
+    echo "== 2. torch.compile at ${sizes[1]} px (100 s at most)"
+    run_step 2 100 "$out/gpu-check-compile.json" "$out/compile.txt" \
+        python3 benchmarks/throughput.py --model $model --sizes "${sizes[1]}" --batch "${batches[1]}" \
+        --steps $steps --warmup $warmup --variants speedrun +compile --json "$out/gpu-check-compile.json"
+fi
 
-echo "== 3. fed from JPEGs: PIL loader vs the GPU decode path (180 s at most)"
-run_step 3 180 "$out/gpu-check-feed.json" "$out/feed.txt" \
-    python3 benchmarks/loader.py --images $images --classes $classes --sizes "${sizes[@]}" \
-    --batch $feed_batch --workers "$workers" --warmup $feed_warmup --batches $feed_batches --no-prepare \
-    --train $model --train-device $device --train-first --train-loaders pil gpu --train-steps $train_steps \
-    --train-warmup $train_warmup --json "$out/gpu-check-feed.json"
+if wanted 3; then
+    echo "== 3. fed from JPEGs: PIL loader vs the GPU decode path (180 s at most)"
+    run_step 3 180 "$out/gpu-check-feed.json" "$out/feed.txt" \
+        python3 benchmarks/loader.py --images $images --classes $classes --sizes "${sizes[@]}" \
+        --batch $feed_batch --workers "$workers" --warmup $feed_warmup --batches $feed_batches --no-prepare \
+        --train $model --train-device $device --train-first --train-loaders pil gpu --train-steps $train_steps \
+        --train-warmup $train_warmup --json "$out/gpu-check-feed.json"
+fi
 
 echo "== 4. goals and projection"
 run_step 4 20 - "$out/summary.txt" python3 - "$out" "${sizes[1]}" <<'EOF'

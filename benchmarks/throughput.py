@@ -87,10 +87,15 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10 if cuda else 1)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS) if cuda else ["baseline", "speedrun"],
                         choices=list(VARIANTS))
+    parser.add_argument("--ablate-at", type=int, metavar="SIZE",
+                        help="every --variants entry at this size only; baseline and speedrun at the others "
+                             "(on an H200 each variant costs ~12 s, most of it cuDNN autotuning)")
     parser.add_argument("--json", help="also write the images/s per size and variant here")
     args = parser.parse_args()
     if len(args.batch) != len(args.sizes):
         parser.error("give one --batch per --sizes entry")
+    if args.ablate_at is not None and args.ablate_at not in args.sizes:
+        parser.error(f"--ablate-at {args.ablate_at} is not one of --sizes")
     device = torch.device("cuda" if cuda else "cpu")
     name = torch.cuda.get_device_name() if cuda else "cpu"
     print(f"{args.model} training images/s on {name}, torch {torch.__version__}, synthetic data")
@@ -98,11 +103,13 @@ def main() -> None:
     print(f"{'size':>6} {'batch':>6} " + " ".join(f"{v:>14}" for v in args.variants) + f"   ratio vs {reference}")
     rows = []
     for size, batch in zip(args.sizes, args.batch):
+        variants = [v for v in args.variants
+                    if args.ablate_at in (None, size) or v in ("baseline", "speedrun", reference)]
         rates = {v: images_per_second(args.model, size, batch, device, args.steps, args.warmup, **VARIANTS[v])
-                 for v in args.variants}
-        ratios = ", ".join(f"{v} {rates[v] / rates[reference]:.2f}x" for v in args.variants if v != reference)
-        print(f"{size:>6} {batch:>6} " + " ".join(f"{rates[v]:>14.0f}" for v in args.variants) + f"   {ratios}",
-              flush=True)
+                 for v in variants}
+        ratios = ", ".join(f"{v} {rates[v] / rates[reference]:.2f}x" for v in variants if v != reference)
+        cells = (f"{rates[v]:>14.0f}" if v in rates else f"{'-':>14}" for v in args.variants)
+        print(f"{size:>6} {batch:>6} " + " ".join(cells) + f"   {ratios}", flush=True)
         rows.append({"size": size, "batch": batch, "images_per_s": {v: round(r, 1) for v, r in rates.items()}})
         if args.json:  # after every size, atomically: a run cut short by a timeout keeps its finished rows
             write_text(args.json, json.dumps({

@@ -165,6 +165,19 @@ def test_a_device_torchvision_cannot_decode_on_is_one_clear_error_or_pil_for_aut
     assert resolve_loader("auto", cuda) == "pil" and resolve_loader("gpu", cuda) == "gpu"
 
 
+def test_cuda_without_an_index_becomes_the_current_device(tree, monkeypatch):
+    # The GPU path's decode thread sets its device, and torch.cuda.set_device refuses a bare
+    # "cuda": benchmarks/loader.py's ImageFolderSource(device=torch.device("cuda")) failed so on an
+    # H200. No CUDA is used here: the current device and the decoder check are stand-ins.
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    monkeypatch.setattr(gpu, "decoder_problem", lambda device: None)
+    source = ImageFolderSource(tree, workers=0, device=torch.device("cuda"), loader="gpu")
+    assert source.device == torch.device("cuda", 1)
+    assert ImageFolderSource(tree, workers=0, device=torch.device("cuda", 0), loader="gpu").device.index == 0
+    assert ImageFolderSource(tree, workers=0, device=CPU).device == CPU
+
+
 @pytest.mark.parametrize("error", [
     torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
     # What torchvision's CUDA decoder raises for whatever it meets, out of memory included.

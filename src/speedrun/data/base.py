@@ -124,6 +124,14 @@ def rank_indices(order: torch.Tensor, shard: Shard, batch_size: int) -> torch.Te
     return order[shard.rank :: shard.world_size][: steps * batch_size]
 
 
+def indexed_device(device: torch.device) -> torch.device:
+    """`device` with its index: a bare "cuda" becomes the current CUDA device. Threads of the data
+    path start on device 0 and must set theirs, and torch.cuda.set_device refuses a bare "cuda"."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A tensor on `device` without making the host wait: a host tensor goes through page-locked
     memory on CUDA (a copy from pageable memory waits for the stream's earlier work)."""

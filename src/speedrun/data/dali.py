@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from speedrun.data.base import CountedFiles, Batch, Shard, epoch_permutation, rank_indices
+from speedrun.data.base import CountedFiles, Batch, Shard, epoch_permutation, indexed_device, rank_indices
 from speedrun.data.index import Split
 from speedrun.errors import SpeedrunError, one_line
 from speedrun.recipe import Phase
@@ -92,10 +92,7 @@ class DaliTrainStream:
         self.root, self.split, self.phase = root, split, phase
         self.shard, self.seed, self.threads, self.bad = shard, seed, max(1, threads), bad
         self.batch_size, self.epoch, self.start_step = batch_size, 0, 0
-        if device.type == "cuda":
-            self.device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
-        else:
-            self.device = torch.device("cpu")
+        self.device = indexed_device(device) if device.type == "cuda" else torch.device("cpu")
         self._files = _EpochFiles(root, split)
         self._bad_rows: set[int] = set()
         self._pipe = None

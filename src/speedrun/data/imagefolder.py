@@ -31,7 +31,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from speedrun.data.kinds import LOADERS
-from speedrun.data.base import CountedFiles, Batch, Shard, TrainStream, split_batches_contiguously
+from speedrun.data.base import CountedFiles, Batch, Shard, TrainStream, indexed_device, split_batches_contiguously
 from speedrun.data import gpu
 from speedrun.data.index import Index, Split, load_index
 from speedrun.data.loading import (
@@ -193,7 +193,7 @@ class ImageFolderSource:
         loader: str = "auto",
     ):
         self.root = Path(path).expanduser()
-        self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = indexed_device(device or torch.device("cuda" if torch.cuda.is_available() else "cpu"))
         self.options = LoaderOptions(
             workers=default_workers() if workers is None else int(workers),
             pin_memory=self.device.type == "cuda" if pin_memory is None else bool(pin_memory),
