@@ -28,7 +28,7 @@ import pytest
 import torch  # noqa: F401  (here, before any test: its first import runs ldconfig, a process of its own)
 from cli_run import speedrun
 from fs_helpers import mount_tmpfs, require_root
-from suite_record import DurationRecord, make_scheduler
+from suite_record import CpuMeter, DurationRecord, make_scheduler
 
 # A test with any of these markers runs only in the full suite (pyproject.toml describes each).
 FULL_TIER = ("slow", "netns", "aws", "slurm")
@@ -45,6 +45,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # on a run would watch it finish. Runs started by a terminal's user get SIGINT as usual.
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    config.pluginmanager.register(CpuMeter(), "speedrun-cpu")  # in every process that runs tests
     if not hasattr(config, "workerinput"):  # the process that reports (not an xdist worker)
         config.pluginmanager.register(DurationRecord(config), "speedrun-durations")
 
