@@ -196,6 +196,44 @@ def test_a_sigterm_while_the_run_cleans_up_does_not_lose_its_results(tmp_path, m
     assert json.loads((out / "results.json").read_text())["status"] == "finished"
 
 
+@pytest.mark.parametrize("late", ["plotting", "shutting-down"])
+def test_a_sigterm_once_a_stopped_runs_results_are_written_changes_nothing(tmp_path, monkeypatch, late):
+    """A SIGTERM stops the run at a step; another comes once results.json says "stopped" (a
+    scheduler's second, torchrun's copy): while the run plots its accuracy, still inside the stop
+    handler's reach, or while it shuts its process group down, after it. The outcome is settled:
+    exit 75 and "stopped" (CI, under load: the second one, 2 s or more after the first, made it
+    130, "interrupted", which a scheduler does not requeue)."""
+    from speedrun import cli, engine, stopping, track
+
+    monkeypatch.setattr(stopping, "DUPLICATE_S", 0.0)  # the second SIGTERM comes long after the first
+    sent = []
+    advance = track.Tracker.advance
+
+    def advance_then_sigterm(self, images_per_s):
+        advance(self, images_per_s)
+        if not sent:  # after the first step: the run stops at the next one
+            sent.append("first")
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    where = (track.Tracker, "plot") if late == "plotting" else (engine, "shutdown")
+    original = getattr(*where)
+
+    def sigterm_then(*args, **kwargs):
+        assert json.loads((out / "results.json").read_text())["status"] == "stopped"
+        sent.append(late)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(track.Tracker, "advance", advance_then_sigterm)
+    monkeypatch.setattr(*where, sigterm_then)
+    out = tmp_path / "run"
+    code = cli.main(["train", "--recipe", str(write_recipe(tmp_path / "r.py", 1, 32, train=64, val=64, epochs=2)),
+                     "--device", "cpu", "--out", str(out)])
+    assert sent == ["first", late]
+    assert code == EXIT_RESUMABLE
+    assert json.loads((out / "results.json").read_text())["status"] == "stopped"
+
+
 def test_a_second_sigterm_soon_after_the_first_is_the_same_request_and_a_later_one_interrupts(tmp_path, monkeypatch):
     """The SIGTERM handler itself (what the run above relies on): within DUPLICATE_S of the first,
     a SIGTERM changes nothing; later, it interrupts at once as Ctrl-C does."""

@@ -22,14 +22,14 @@ from speedrun.data.base import DataSource, TrainStream
 from speedrun.dist import (DistContext, all_reduce_sum, collective_failed, init_distributed, peer_failure, pick_device,
                            shutdown)
 from speedrun.errors import SpeedrunError, TrainingFailed, stop_on_sigterm
+from speedrun.files import read_jsonl
 from speedrun.learner import (DeviceBatches, EvalSettings, Learner, build_learner, check_device_options,
                               configure_determinism, evaluate)
 from speedrun.optim import set_lr
 from speedrun.recipe import Phase, Recipe
 from speedrun.rundir import already_complete, claim_run_dir, complete, run_dir_error
 from speedrun.stopping import StopRequests
-from speedrun.track import (Clock, Tracker, build_results, interruption, memory_mb, read_jsonl, recovery_costs,
-                            run_header)
+from speedrun.track import Clock, Tracker, build_results, interruption, memory_mb, recovery_costs, run_header
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
@@ -75,7 +75,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         raise TrainingFailed(peer_failure(e, ctx)) from None
     finally:
         # The handler stays until the clean-up is done: a SIGTERM until then (torchrun's or a
-        # scheduler's second one) interrupts it, and does not kill the process in its middle.
+        # scheduler's second one) interrupts it, and does not kill the process in its middle;
+        # once results.json holds the outcome, SIGTERM is ignored here (StopRequests.settle).
         try:
             if run_dir is not None:
                 run_dir.release()
@@ -182,6 +183,7 @@ def run_epochs(
             results.update(recovery_costs(out, results["lost_s"], state.price))
             try:
                 tracker.write_results(results)
+                stops.settle()  # the outcome is on disk: a SIGTERM from here on changes nothing
                 tracker.plot(evals, dataclasses.asdict(recipe.target) if recipe.target else None)
             except OSError as e:  # a full disk: the error above says so; the checkpoint is what counts
                 tracker.print(f"results.json not written: {e.strerror}")

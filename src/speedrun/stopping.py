@@ -68,6 +68,7 @@ class StopRequests:
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
         self._previous_handler = None
+        self.settled = False  # the run's outcome is on disk (settle())
         # A control group on gloo when the training group is NCCL: agreeing on the CPU does not
         # wait for the GPU's queued work. Every rank makes it, in the same order.
         # Its timeout is the run's: a new group's default is gloo's own (30 minutes).
@@ -86,7 +87,16 @@ class StopRequests:
     def __exit__(self, *exc) -> None:
         self._done.set()
         if self._previous_handler is not None:
-            signal.signal(signal.SIGTERM, self._previous_handler)
+            # Settled: what is left is clean-up, which a SIGTERM must not turn into another exit
+            # code. The caller puts its own handler back when it is done (engine.train).
+            signal.signal(signal.SIGTERM, signal.SIG_IGN if self.settled else self._previous_handler)
+
+    def settle(self) -> None:
+        """The run's outcome (its status in results.json, its checkpoint) is on disk: from now
+        on a SIGTERM changes nothing, also after this context ends (CI: a scheduler's second one,
+        come while the run plotted or shut its process group down, turned "stopped", exit 75,
+        into exit 130). A clean-up that hangs is left to SIGKILL, as torchrun and Slurm send."""
+        self.settled = True
 
     @property
     def reason(self) -> str:
@@ -96,6 +106,8 @@ class StopRequests:
         self.code = max(self.code, code)
 
     def _on_sigterm(self, signum, frame) -> None:
+        if self.settled:
+            return
         now = time.monotonic()
         if self.sigterm is not None and now - self.sigterm >= DUPLICATE_S:  # asked again: do not wait for the step
             raise KeyboardInterrupt("stopped by a second SIGTERM")
