@@ -134,11 +134,12 @@ def test_crop_params_with_translation_and_kept_shape():
 
 
 @pytest.mark.slow
-def test_the_cli_trains_the_folder_to_the_in_memory_accuracy(tmp_path):
+def test_the_cli_trains_the_folder_to_the_in_memory_accuracy(tiny_run, tmp_path):
     """`speedrun train` on the tiny recipe's images as a PNG folder, with the tiny recipe read
     from a file that changes only the dataset, ends within 2 points of the in-memory run's top-1,
     averaged over 2 seeds (seeds alone move a run by about 1 point; before the folder path
-    followed the recipe's geometry it was 4.6 points behind: 71.5% against 76.1%)."""
+    followed the recipe's geometry it was 4.6 points behind: 71.5% against 76.1%). The in-memory
+    run of seed 0 is the session's (conftest.py `tiny_run`: seed 0, deterministic kernels)."""
     tiny = BUILTIN["tiny"]
     root = tmp_path / "png"
     fmnist_tree(root, tiny.train_examples, tiny.val_examples, plain=True)
@@ -149,10 +150,12 @@ def test_the_cli_trains_the_folder_to_the_in_memory_accuracy(tmp_path):
         "recipe = dataclasses.replace(BUILTIN['tiny'], name='tiny-folder', dataset='imagefolder',\n"
         "                             train_examples=None, val_examples=None)\n"
     )
-    top1 = {"memory": [], "folder": []}
+    top1 = {"memory": [json.loads((tiny_run / "results.json").read_text())["final"]["top1"]], "folder": []}
     for seed in ("0", "1"):
         for name, args in (("memory", ["--recipe", "tiny"]),
                            ("folder", ["--recipe", str(recipe_file), "--data", str(root), "--workers", "2"])):
+            if name == "memory" and seed == "0":
+                continue  # tiny_run
             out = tmp_path / f"{name}-{seed}"
             proc = speedrun("train", *args, "--seed", seed, "--out", str(out))
             assert proc.returncode == 0, proc.stderr[-2000:]

@@ -19,6 +19,7 @@ from typing import Any
 
 from speedrun import rundir
 from speedrun.errors import SpeedrunError
+from speedrun.files import read_jsonl
 
 SUMMARY_FILES = ("results.json", "metrics.jsonl")  # what compare reads of a run
 SKIPPED_FIELDS = ("name", "description")  # recipe fields that say nothing about what ran
@@ -108,7 +109,6 @@ def read_run(path: str | os.PathLike, label: str | None = None, live: bool = Tru
     except OSError as e:
         raise SpeedrunError(f"{results_path} cannot be read ({e.strerror or e})") from None
     check_results(results, results_path)
-    from speedrun.track import read_jsonl  # here: track imports torch, which the command line loads only when needed
 
     # Lines without the numbers compare uses (another tool's, a hand edit) are left out of the plot.
     evals = [e for e in read_jsonl(metrics_path) if isinstance(e, dict) and _is_number(e.get("wall_s"))

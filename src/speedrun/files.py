@@ -1,11 +1,16 @@
-"""Files written so that a reader, or a crash, sees the old file or the new one, never half."""
+"""Files written so that a reader, or a crash, sees the old file or the new one, never half; and
+JSONL records read back so that a last line cut short by a crash is dropped, not an error."""
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
+
+from speedrun.errors import SpeedrunError
 
 
 @contextmanager
@@ -33,3 +38,26 @@ def write_text(path: str | os.PathLike, text: str) -> None:
     """Replace `path`'s content with `text`, atomically."""
     with replacing(path) as tmp:
         tmp.write_text(text)
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The records of a JSONL file (empty when it does not exist). A last line cut short (the
+    disk filled up, the power went) is dropped: that record was never complete. A damaged line
+    anywhere else is a SpeedrunError naming the file and the line."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    text = path.read_text()
+    lines = text.split("\n")
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            if number == len(lines):  # no newline after it: the write was cut short
+                continue
+            raise SpeedrunError(f"{path}, line {number}: not a JSON record ({line[:60]!r}); "
+                                "fix or remove the line") from None
+    return records

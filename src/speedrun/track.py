@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import errno
 import json
-import os
 import platform
 import resource
 import time
@@ -32,7 +31,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 import speedrun
 from speedrun import files
-from speedrun.errors import SpeedrunError
+from speedrun.files import read_jsonl  # noqa: F401 - its old home (tests and users read it here)
 from speedrun.money import Price, cost_fields
 
 if TYPE_CHECKING:  # types only: the loop hands these in
@@ -185,29 +184,6 @@ def _truncate_jsonl(path: Path, keep) -> None:
 
 def write_json_atomic(path: Path, data: Any) -> None:
     files.write_text(path, json.dumps(data, indent=2) + "\n")
-
-
-def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """The records of a JSONL file (empty when it does not exist). A last line cut short (the
-    disk filled up, the power went) is dropped: that record was never complete. A damaged line
-    anywhere else is a SpeedrunError naming the file and the line."""
-    path = Path(path)
-    if not path.exists():
-        return []
-    text = path.read_text()
-    lines = text.split("\n")
-    records = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except ValueError:
-            if number == len(lines):  # no newline after it: the write was cut short
-                continue
-            raise SpeedrunError(f"{path}, line {number}: not a JSON record ({line[:60]!r}); "
-                                "fix or remove the line") from None
-    return records
 
 
 def build_results(
