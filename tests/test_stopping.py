@@ -80,19 +80,27 @@ def test_a_run_stopped_by_sigterm_resumes_bit_identically(tmp_path):
 
 
 def test_two_processes_stop_together_on_a_stop_file_and_resume(tmp_path):
-    args = ["train", "--recipe", str(write_recipe(tmp_path / "r.py", 2, 32, epochs=20, model="resnet-fmnist-tiny-gn")),
+    epochs = 6
+    recipe = write_recipe(tmp_path / "r.py", 2, 32, epochs=epochs, model="resnet-fmnist-tiny-gn")
+    args = ["train", "--recipe", str(recipe),
             "--device", "cpu", "--deterministic", "--log-every", "1", "--nproc-per-node", "2"]
     full = run_cli(*args, "--out", str(tmp_path / "full"))
     assert full.returncode == 0, full.stderr
 
     part = tmp_path / "part"
-    proc = start(*args, "--out", str(part), env=env_one_thread())
+    proc = start(*args, "--out", str(part), env=env_one_thread(), start_new_session=True)
     wait_for(lambda: lines(part / "steps.jsonl") >= 30, 300, "30 steps")
+    # The request is made with the launcher and both ranks frozen, so that however late this
+    # process gets to it, 100 of the run's 144 steps are left: the ranks read the stop file within
+    # a second (some 16 steps here when quiet).
+    os.killpg(proc.pid, signal.SIGSTOP)
+    frozen_at = lines(part / "steps.jsonl")
     (part / "stop").touch()  # a request; every rank stops after the same step
+    os.killpg(proc.pid, signal.SIGCONT)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == EXIT_RESUMABLE, err
     state = checkpoint_state(part)
-    assert state["step"] == read_jsonl(part / "steps.jsonl")[-1]["step"] < 20 * STEPS_PER_EPOCH
+    assert frozen_at <= state["step"] == read_jsonl(part / "steps.jsonl")[-1]["step"] < epochs * STEPS_PER_EPOCH
     assert not (part / "stop").exists()  # handled: the resumed run does not stop at once
 
     resumed = run_cli(*args, "--resume", "--out", str(part))
