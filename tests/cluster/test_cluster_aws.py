@@ -280,6 +280,33 @@ def test_autostop_powers_off_only_after_the_idle_time_with_no_command_running(tm
         subprocess.run([*tmux, "kill-server"], capture_output=True)
 
 
+def test_autostop_never_powers_off_while_a_command_runs_whatever_the_clock_reads(tmp_path):
+    # A clock that moves a whole second at every read: the watcher once read it twice per check
+    # (when it saw the command, then to count the idle time), so a second's tick between the two
+    # made a busy host "idle for 1 s" and, with a 1 s limit, powered it off (CI: "5 busy 1").
+    socket, done = f"autostop-tick-{os.getpid()}", tmp_path / "powered-off"
+    tmux = ["tmux", "-L", socket]
+    subprocess.run([*tmux, "new-session", "-d", "-s", "task", "-n", "shell", "sh"], check=True)
+    subprocess.run([*tmux, "new-window", "-d", "-t", "task", "-n", "train", "sleep 600"], check=True)
+    shims = tmp_path / "bin"
+    shims.mkdir()
+    (shims / "date").write_text(f'#!/bin/sh\nn=$(cat "{tmp_path}/clock" 2>/dev/null || echo 1000)\n'
+                                f'echo $((n + 1)) > "{tmp_path}/clock"\necho $n\n')
+    (shims / "date").chmod(0o755)
+    status = tmp_path / ".speedrun" / "autostop" / "status"
+    env = {**os.environ, "HOME": str(tmp_path), "PATH": f"{shims}:{os.environ['PATH']}"}
+    script = aws_provider.autostop_script(1 / 60, tmux_socket=socket, poweroff=f"touch {done}", every_s=0.05)
+    try:
+        subprocess.run(["bash", "-c", script], env=env, check=True)
+        wait_for(lambda: done.exists() or (status.exists() and int(status.read_text().split()[0]) >= 10))
+        assert not done.exists(), status.read_text()
+        assert status.read_text().split()[1:] == ["busy", "0"]
+    finally:
+        pid = (tmp_path / ".speedrun" / "autostop" / "pid").read_text().strip()
+        subprocess.run(["kill", pid], capture_output=True)
+        subprocess.run([*tmux, "kill-server"], capture_output=True)
+
+
 def wait_for(condition, timeout: float = 60.0) -> None:
     """Poll a condition (a background watcher's progress), failing after timeout seconds."""
     deadline = time.monotonic() + timeout

@@ -78,11 +78,14 @@ def autostop_script(minutes: float, tmux_socket: str = "speedrun", poweroff: str
     loop = f"""idle_since=$(date +%s); checks=0
 while true; do
   busy=$({panes} | awk '$1 == 0 && $2 != "shell"' | head -n 1)
-  [ -n "$busy" ] && idle_since=$(date +%s)
-  idle=$(( $(date +%s) - idle_since )); checks=$((checks + 1))
+  # One reading of the clock per check: two could straddle a second's tick, and a host seen busy
+  # would count as idle for that second.
+  now=$(date +%s)
+  [ -n "$busy" ] && idle_since=$now
+  idle=$(( now - idle_since )); checks=$((checks + 1))
   # Written whole, then renamed: a reader never sees the file empty.
   echo "$checks $([ -n "$busy" ] && echo busy || echo idle) $idle" > {new} && mv -f {new} {status}
-  if [ "$idle" -ge {max(1, round(minutes * 60))} ]; then {poweroff}; exit 0; fi
+  if [ -z "$busy" ] && [ "$idle" -ge {max(1, round(minutes * 60))} ]; then {poweroff}; exit 0; fi
   sleep {every_s:g}
 done"""
     return f"""mkdir -p "{state}"
