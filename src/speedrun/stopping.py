@@ -92,10 +92,11 @@ class StopRequests:
             signal.signal(signal.SIGTERM, signal.SIG_IGN if self.settled else self._previous_handler)
 
     def settle(self) -> None:
-        """The run's outcome (its status in results.json, its checkpoint) is on disk: from now
-        on a SIGTERM changes nothing, also after this context ends (CI: a scheduler's second one,
-        come while the run plotted or shut its process group down, turned "stopped", exit 75,
-        into exit 130). A clean-up that hangs is left to SIGKILL, as torchrun and Slurm send."""
+        """The run's outcome is decided and results.json written (by rank 0): from now on a
+        SIGTERM changes nothing on this rank, also after this context ends (CI: a scheduler's
+        second one, come while the run plotted or shut its process group down, turned "stopped",
+        exit 75, into exit 130). A clean-up that hangs is left to SIGKILL, which torchrun and
+        Slurm send after their grace period."""
         self.settled = True
 
     @property
