@@ -30,7 +30,8 @@
 #
 # GPU_CHECK_SMOKE=1 runs every step on the CPU with a tiny model, small sizes and few images, in
 # about a minute: it checks the script itself (each step's JSON and the summary and projection read
-# from them), never the speed. tests/test_gpu_check.py runs it, so the device's scarce minutes are
+# from them), never the speed, and holds no step to its time limit (gpu_check_steps.sh says why).
+# tests/test_gpu_check.py runs it, so the device's scarce minutes are
 # not lost to a broken script.
 set -uo pipefail
 cd "$(dirname "$0")/.."
