@@ -35,6 +35,7 @@ class TrainConfig:
     bf16_grads: bool = False  # compress gradients to bf16 for the all-reduce (CUDA only)
     price: Price | None = None  # what the machines cost (speedrun.money: given by the job layer), None: unknown
     precision: str = "auto"  # "auto" (see learner.choose_precision), "bf16", "fp16" or "fp32"
+    memory_format: str = "auto"  # "auto" (see speedrun.memory_format), "channels_last" or "contiguous"
     process_start: float = field(default_factory=time.time)  # wall clock when the process began
 
 

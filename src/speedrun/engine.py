@@ -90,7 +90,7 @@ def run_epochs(
 ) -> dict[str, Any]:
     """The epochs, from `state` (a fresh run's or a resumed one's) to the end or the target."""
     recipe, out = cfg.recipe, cfg.out
-    tracker.print(run_header(cfg, ctx, source, learner.precision))
+    tracker.print(run_header(cfg, ctx, source, learner.precision, learner.memory_format))
     batches = DeviceBatches(source, ctx.device, learner.channels_last)
     evals = read_jsonl(out / "metrics.jsonl") if cfg.resume else []
     clock = Clock(cfg.process_start, state)
@@ -151,7 +151,7 @@ def run_epochs(
                     evals.append(note_evaluation(recipe, phase, epoch, metrics, speed, state, tracker))
                     # results.json so far, so that `speedrun compare` can show a run that is still going.
                     tracker.write_results(build_results(cfg, ctx, source, state, evals, "running", clock.session_start,
-                                                        learner.precision))
+                                                        learner.precision, learner.memory_format))
                 if ctx.is_main and cfg.checkpoint_every and (
                     state.epoch % cfg.checkpoint_every == 0 or last or state.target_epoch is not None
                 ):
@@ -178,7 +178,8 @@ def run_epochs(
             with contextlib.suppress(Exception):
                 writer.wait()
             clock.record()
-            results = build_results(cfg, ctx, source, state, evals, status, clock.session_start, learner.precision)
+            results = build_results(cfg, ctx, source, state, evals, status, clock.session_start, learner.precision,
+                                    learner.memory_format)
             results["last_checkpoint"] = writer.last_written  # complete on disk; None: none
             results.update(recovery_costs(out, results["lost_s"], state.price))
             try:

@@ -8,6 +8,7 @@ one optimizer step; `evaluate` scores a model on the validation split across all
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,7 @@ from speedrun.config import TrainConfig
 from speedrun.data.base import DataSource, normalize_on_device
 from speedrun.dist import DistContext, all_reduce_sum, average_buffers
 from speedrun.errors import SpeedrunError
+from speedrun.memory_format import MemoryFormat, choose_memory_format
 from speedrun.model import build_model
 from speedrun.optim import build_optimizer
 from speedrun.recipe import IMAGENET_CROP_PCT, PRECISIONS
@@ -36,10 +38,14 @@ class Learner:
     optimizer: torch.optim.Optimizer
     criterion: nn.Module
     precision: str  # "bf16", "fp16" or "fp32" (choose_precision's answer)
-    channels_last: bool
+    memory_format: MemoryFormat  # of the model and its batches, and why
     ema: Any = None  # timm.utils.ModelEmaV3
     scaler: torch.amp.GradScaler | None = None  # fp16 only: scales the loss so gradients do not underflow
     compiled_model: nn.Module | None = None  # torch.compile(model), for evaluation
+
+    @property
+    def channels_last(self) -> bool:
+        return self.memory_format.channels_last
 
     def step(self, x: torch.Tensor, y: torch.Tensor, step: int) -> torch.Tensor:
         """One optimizer step on a normalised batch; `step` counts steps from the run's start."""
@@ -64,12 +70,15 @@ class Learner:
 
 
 def build_learner(cfg: TrainConfig, ctx: DistContext, source: DataSource) -> Learner:
-    """The recipe's model on the device (channels_last for CNNs on a GPU), its optimizer and loss, wrapped
-    in DistributedDataParallel when there are several processes and compiled if asked."""
+    """The recipe's model on the device in its memory format (speedrun.memory_format), its optimizer
+    and loss, wrapped in DistributedDataParallel when there are several processes and compiled if asked."""
     recipe = cfg.recipe
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     model = build_model(recipe.model, source.num_classes, source.channels, recipe.zero_init)
-    model, channels_last = to_device(model, ctx.device)
+    memory_format = choose_memory_format(model, ctx.device.type, cfg.memory_format)
+    if memory_format.warning and ctx.is_main:
+        print(f"speedrun: warning: {memory_format.warning}", file=sys.stderr, flush=True)
+    model = model.to(ctx.device, memory_format=memory_format.torch_format)
     if cfg.sync_bn and ctx.distributed:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     # Fused SGD on GPUs: one kernel for the whole update (benchmarks/gpu_check.sh measures it against torch's default).
@@ -103,18 +112,14 @@ def build_learner(cfg: TrainConfig, ctx: DistContext, source: DataSource) -> Lea
     criterion = nn.CrossEntropyLoss(label_smoothing=recipe.optimizer.label_smoothing)
     precision = choose_precision(cfg.precision, ctx.device.type, device_capability(ctx.device))
     scaler = torch.amp.GradScaler(ctx.device.type) if precision == "fp16" else None
-    return Learner(model, net, optimizer, criterion, precision, channels_last, ema, scaler, compiled_model)
+    return Learner(model, net, optimizer, criterion, precision, memory_format, ema, scaler, compiled_model)
 
 
-def to_device(model: nn.Module, device: torch.device) -> tuple[nn.Module, bool]:
-    """`model` on `device`, channels_last when it has convolutions and the device is a GPU;
-    returns it and whether it is. Not on the CPU: oneDNN's channels_last backward of a 1x1
-    stride-2 convolution with 8 or fewer input channels corrupts the heap at 48 px and up (torch
-    2.14.1 on an AVX-512 AMD EPYC; the tiny model has one), and the layout gains the CPU little
-    (1.05-1.2x on the default model, 2 cores)."""
-    channels_last = device.type == "cuda" and any(isinstance(m, nn.Conv2d) for m in model.modules())
-    return (model.to(device, memory_format=torch.channels_last if channels_last else torch.preserve_format),
-            channels_last)
+def to_device(model: nn.Module, device: torch.device, memory_format: str = "auto") -> tuple[nn.Module, bool]:
+    """`model` on `device` in the memory format `choose_memory_format` picks (`memory_format`:
+    "auto", "channels_last" or "contiguous"); returns it and whether it is channels_last."""
+    chosen = choose_memory_format(model, device.type, memory_format)
+    return model.to(device, memory_format=chosen.torch_format), chosen.channels_last
 
 
 def train_step(

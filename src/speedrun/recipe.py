@@ -27,6 +27,7 @@ NO_DECAY_MODES = ("norm_bias", "bn", "none")
 IMAGENET_CROP_PCT = 1 / 1.14
 IMAGENET_RATIO = (3 / 4, 4 / 3)  # torchvision's RandomResizedCrop aspect-ratio range (w / h)
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")  # a run's --precision (learner.choose_precision)
+MEMORY_FORMATS = ("auto", "channels_last", "contiguous")  # a run's --memory-format (speedrun.memory_format)
 
 
 class RecipeError(SpeedrunError, ValueError):

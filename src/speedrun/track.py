@@ -39,6 +39,7 @@ if TYPE_CHECKING:  # types only: the loop hands these in
     from speedrun.config import TrainConfig
     from speedrun.data.base import DataSource
     from speedrun.dist import DistContext
+    from speedrun.memory_format import MemoryFormat
 
 
 class Tracker:
@@ -188,7 +189,7 @@ def write_json_atomic(path: Path, data: Any) -> None:
 
 def build_results(
     cfg: TrainConfig, ctx: DistContext, source: DataSource, state: RunState, evals: list[dict], status: str,
-    session_start: float, precision: str,
+    session_start: float, precision: str, memory_format: MemoryFormat,
 ) -> dict[str, Any]:
     """results.json: what ran, where, how fast, how well (docs/training.md lists the fields)."""
     recipe = cfg.recipe
@@ -217,6 +218,8 @@ def build_results(
         "deterministic": cfg.deterministic,
         "compile": cfg.compile,
         "precision": precision,
+        "memory_format": memory_format.name,
+        "memory_format_why": memory_format.why,
         "data": cfg.data,
         "loader": source.loader,
         "skipped_images": source.skipped_images(),
@@ -258,8 +261,10 @@ def interruption(out: Path, state: RunState, process_start: float) -> dict:
             "wall_s_lost": redone * per_step + between}
 
 
-def run_header(cfg: TrainConfig, ctx: DistContext, source: DataSource, precision: str) -> str:
-    """The first line a run prints: what trains on what, and the LR factor for this world size."""
+def run_header(cfg: TrainConfig, ctx: DistContext, source: DataSource, precision: str,
+               memory_format: MemoryFormat) -> str:
+    """The first line a run prints: what trains on what (in which memory format, and why), and the
+    LR factor for this world size."""
     recipe = cfg.recipe
     scale = recipe.lr_scale(ctx.world_size)
     warmup = (f" (ramped up over {recipe.scale_warmup_epochs:g} epochs)"
@@ -268,7 +273,8 @@ def run_header(cfg: TrainConfig, ctx: DistContext, source: DataSource, precision
     return (
         f"speedrun {speedrun.__version__}: recipe {recipe.name}, model {recipe.model}, "
         f"{source.num_train} train / {source.num_val} val images{loader}, "
-        f"{ctx.world_size} x {ctx.device.type}, {precision}, LR x{scale:g}{warmup} for world size "
+        f"{ctx.world_size} x {ctx.device.type}, {precision}, {memory_format.name} ({memory_format.why}), "
+        f"LR x{scale:g}{warmup} for world size "
         f"{ctx.world_size}, target {recipe.target or 'none'}, out {cfg.out}"
     )
 

@@ -15,7 +15,7 @@ from speedrun.data.kinds import LOADERS
 from speedrun.errors import EXIT_FAILED, EXIT_RESUMABLE, SpeedrunError
 from speedrun.local_launch import launch_local_processes, process_start_time, strip_option
 from speedrun.spot import IMDS_NOTICE_URL, NOTICE_ENV
-from speedrun.recipe import PRECISIONS, Target
+from speedrun.recipe import MEMORY_FORMATS, PRECISIONS, Target
 from speedrun.recipes import BUILTIN, DEFAULT, FITTED
 from speedrun.recipes.fitting import recipe_for
 
@@ -46,6 +46,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--precision", choices=PRECISIONS, default="auto",
                    help="auto: bf16 autocast on GPUs that have it (Ampere and later), fp16 with a gradient scaler "
                    "on older ones (V100, T4), fp32 on CPU")
+    p.add_argument("--memory-format", choices=MEMORY_FORMATS, default="auto",
+                   help="layout of the model and its batches; auto: channels_last on GPUs, and on CPUs (AVX2, "
+                   "AVX-512) unless the model has a strided 1x1 convolution too thin for oneDNN's kernel, whose "
+                   "channels_last backward corrupts the heap; the run's first line says which and why")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--deterministic", action="store_true", help="deterministic kernels: the same numbers run after run")
     p.add_argument("--workers", type=int, default=None, metavar="N",
@@ -171,6 +175,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         resume=args.resume,
         compile=args.compile,
         precision=args.precision,
+        memory_format=args.memory_format,
         seed=args.seed,
         deterministic=args.deterministic,
         workers=args.workers,
