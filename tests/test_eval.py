@@ -83,7 +83,7 @@ def test_eval_refuses_data_with_other_classes_and_records_absolute_paths(folder_
     make_tree(folder_run / "four", classes=4, train_per_class=2, val_per_class=2, sizes=[(32, 32)])
     for data, expected in ((renamed, "other classes than the checkpoint was trained on ('c02' where the run had 'c01'"),
                            (folder_run / "four", "has 4 classes, the checkpoint was trained on 3")):
-        line = one_line_error(speedrun("eval", str(run), "--data", str(data), "--workers", "1"))
+        line = one_line_error(speedrun_here("eval", str(run), "--data", str(data), "--workers", "1"))
         assert expected in line, line
     assert not (run / "eval.jsonl").exists()
     # The data it trained on, given relative to the working directory, is recorded absolute.
@@ -107,7 +107,7 @@ def test_eval_of_a_checkpoint_without_classes_checks_their_number(folder_run, tm
     from test_data_helpers import make_tree
 
     make_tree(tmp_path / "four", classes=4, train_per_class=2, val_per_class=2, sizes=[(32, 32)])
-    line = one_line_error(speedrun("eval", str(run), "--data", str(tmp_path / "four"), "--workers", "1"))
+    line = one_line_error(speedrun_here("eval", str(run), "--data", str(tmp_path / "four"), "--workers", "1"))
     assert "has 4 classes, not as many as the checkpoint's weights were trained on" in line
     proc = speedrun("eval", str(run), "--workers", "1")
     assert proc.returncode == 0 and "records no class names" in one_line_error(proc, code=0)

@@ -18,6 +18,10 @@ from speedrun.track import read_jsonl
 
 pytestmark = pytest.mark.slow  # real runs, killed and resumed
 TINY = ["train", "--recipe", "tiny", "--device", "cpu"]
+# A refusal that comes before any step runs in this process (speedrun_here): a `speedrun train`
+# process costs 6-8 CPU seconds of imports before it reads its first argument. How a refusal reaches
+# a user from a real process (one line, exit 2) is proved by test_two_runs_on_one_directory here and
+# test_cli.py. Not in this process: a refusal after `--deterministic` has changed torch's settings.
 
 
 def test_a_second_claim_is_refused_until_the_first_is_released_or_its_process_dies(tmp_path):
@@ -87,7 +91,7 @@ def test_a_run_that_left_no_checkpoint_is_started_over_not_appended_to(abandoned
 def test_a_finished_run_without_checkpoint_is_never_overwritten(tmp_path):
     out = tmp_path / "run"
     assert speedrun(*TINY, "--epochs", "1", "--checkpoint-every", "0", "--out", str(out)).returncode == 0
-    one_line_error(speedrun(*TINY, "--epochs", "1", "--out", str(out)), "holds a finished run")
+    one_line_error(speedrun_here(*TINY, "--epochs", "1", "--out", str(out)), "holds a finished run")
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +126,7 @@ def test_a_cut_last_line_is_dropped_and_a_damaged_one_named(stopped_run, tmp_pat
     out = copy_run(stopped_run, tmp_path / "again")  # that run is complete now: resuming it changes nothing
     lines = (out / "steps.jsonl").read_text().splitlines()
     (out / "steps.jsonl").write_text("\n".join([lines[0][:20], *lines[1:]]) + "\n")
-    one_line_error(speedrun(*TINY, "--epochs", "2", "--out", str(out), "--resume"), "steps.jsonl, line 1")
+    one_line_error(speedrun_here(*TINY, "--epochs", "2", "--out", str(out), "--resume"), "steps.jsonl, line 1")
 
 
 @pytest.mark.parametrize("content, expected", [
@@ -135,7 +139,7 @@ def test_a_damaged_or_foreign_checkpoint_says_what_to_do(stopped_run, tmp_path, 
         torch.save({"weights": torch.zeros(2)}, out / "checkpoint.pt")
     else:
         (out / "checkpoint.pt").write_bytes(content)
-    one_line_error(speedrun(*TINY, "--epochs", "2", "--out", str(out), "--resume"), expected, "another --out")
+    one_line_error(speedrun_here(*TINY, "--epochs", "2", "--out", str(out), "--resume"), expected, "another --out")
 
 
 @pytest.mark.parametrize("flags, expected", [

@@ -58,26 +58,27 @@ def choose_memory_format(model: nn.Module, device_type: str, requested: str = "a
         raise ValueError(f"unknown memory format {requested!r}: one of {', '.join(MEMORY_FORMATS)}")
     if not any(isinstance(m, nn.Conv2d) for m in model.modules()):
         return MemoryFormat(False, "no convolutions")
-    if device_type != "cpu":
-        refused = None
-        auto = MemoryFormat(True, "a GPU's convolutions are fastest in it")
-    else:
-        isa = isa or torch.backends.cpu.get_cpu_capability()
-        block = ONEDNN_BLOCK.get(isa)
-        conv = thin_strided_1x1(model, block) if block else None
-        if block is None:
-            refused = None
-            auto = MemoryFormat(False, f"CPU capability {isa}: oneDNN's channels_last kernels for it are unchecked")
-        elif conv is not None:
-            refused = (f"a strided 1x1 convolution with {conv.in_channels} input channels, under {isa}'s block of "
-                       f"{block}, whose channels_last backward corrupts the heap (oneDNN issue 6035)")
-            auto = MemoryFormat(False, refused)
-        else:
-            refused = None
-            auto = MemoryFormat(True, f"{isa}, no strided 1x1 convolution under {block} input channels")
+    auto, guarded = _auto(model, device_type, isa)
     if requested == "auto":
         return auto
-    asked = MemoryFormat(requested == "channels_last", f"--memory-format {requested} asked for")
-    if asked.channels_last and refused:
-        return MemoryFormat(True, asked.why, f"--memory-format channels_last overrides the guard against {refused}")
-    return asked
+    why = f"--memory-format {requested} asked for"
+    if requested == "channels_last" and guarded:
+        return MemoryFormat(True, why, f"--memory-format channels_last overrides the guard against {auto.why}")
+    return MemoryFormat(requested == "channels_last", why)
+
+
+def _auto(model: nn.Module, device_type: str, isa: str | None) -> tuple[MemoryFormat, bool]:
+    """What "auto" picks for a model with convolutions, and whether the guard against oneDNN's
+    fault is what made it contiguous."""
+    if device_type != "cpu":
+        return MemoryFormat(True, "a GPU's convolutions are fastest in it"), False
+    isa = isa or torch.backends.cpu.get_cpu_capability()
+    block = ONEDNN_BLOCK.get(isa)
+    if block is None:
+        return MemoryFormat(False, f"CPU capability {isa}: oneDNN's channels_last kernels for it are unchecked"), False
+    conv = thin_strided_1x1(model, block)
+    if conv is not None:
+        return MemoryFormat(False, f"a strided 1x1 convolution with {conv.in_channels} input channels, under "
+                                   f"{isa}'s block of {block}, whose channels_last backward corrupts the heap "
+                                   "(oneDNN issue 6035)"), True
+    return MemoryFormat(True, f"{isa}, no strided 1x1 convolution under {block} input channels"), False
