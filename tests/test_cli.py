@@ -30,9 +30,10 @@ def test_data_path_without_the_files(tmp_path):
 @pytest.mark.parametrize(
     "phase, expected",
     [
-        ("Phase(0, 2, size=28, batch_size=0, lr=0.1)", "batch size must be a positive integer"),
-        ("Phase(0, 2, size=-28, batch_size=8, lr=0.1)", "image size must be a positive"),
-        ("Phase(0, 2, size=28, batch_size=8, lr=-1.0)", "LR must be positive"),
+        ("Phase(0, 2, size=28, batch_size=0, lr=0.1)", "batch size must be a whole number in 1..65,536"),
+        ("Phase(0, 2, size=-28, batch_size=8, lr=0.1)", "image size must be a whole number in 1..4096"),
+        ("Phase(0, 2, size=10**6, batch_size=8, lr=0.1)", "image size must be a whole number in 1..4096"),
+        ("Phase(0, 2, size=28, batch_size=8, lr=-1.0)", "LR must be a positive number"),
     ],
 )
 def test_bad_recipe_value(tmp_path, phase, expected):
@@ -42,31 +43,36 @@ def test_bad_recipe_value(tmp_path, phase, expected):
         f"recipe = Recipe(name='bad', dataset='fashion-mnist', model='resnet-fmnist-tiny', phases=({phase},))\n"
     )
     assert_one_line_error(speedrun_here("train", "--recipe", str(path), "--out", str(tmp_path / "r")),
-                          "phase 0", expected)
+                          "bad.py': phase (epochs 0-2)", expected)
 
 
 def test_two_recipe_problems_are_both_reported(tmp_path):
     path = tmp_path / "bad.py"
     path.write_text(
         "from speedrun import Phase, Recipe\n"
-        "recipe = Recipe(name='bad', phases=(Phase(0, 2, 28, 8, 0.1), Phase(3, 4, 28, 0, 0.1)))\n"
+        "recipe = Recipe(name='bad', phases=(Phase(0, 2, 28, 8, 0.1), Phase(3, 4, 28, 8, 0.1)), world_size=0)\n"
     )
     proc = speedrun_here("train", "--recipe", str(path))
     assert proc.returncode == 2
-    assert "gap after the previous phase" in proc.stderr and "batch size" in proc.stderr
+    assert "gap after the previous phase" in proc.stderr and "world_size must be" in proc.stderr
 
 
 @pytest.mark.parametrize(
     "args, expected",
     [
         (["--target", "top7=0.5"], "expected METRIC=VALUE"),
-        (["--epochs", "0"], "--epochs must be positive"),
-        (["--log-every", "0"], "--log-every must be at least 1"),
+        (["--epochs", "0"], "argument --epochs: 0 is not a whole number in 1..10,000"),
+        (["--epochs", "1000000000"], "argument --epochs: 1000000000 is not a whole number in 1..10,000"),
+        (["--epochs", "abc"], "argument --epochs: 'abc' is not a whole number in 1..10,000"),
+        (["--seed", "-1"], "argument --seed: -1 is not a whole number in 0..4,294,967,295"),
+        (["--seed", str(2**32)], "argument --seed: 4294967296 is not a whole number in 0..4,294,967,295"),
+        (["--log-every", "0"], "argument --log-every: 0 is not a whole number in 1..1,000,000"),
         (["--resume"], "no checkpoint at"),
-        (["--bucket-cap-mb", "-1"], "--bucket-cap-mb must be a size in MB above 0, got -1.0"),
-        (["--bucket-cap-mb", "nan"], "--bucket-cap-mb must be a size in MB above 0, got nan"),
-        (["--dist-timeout", "0"], "--dist-timeout must be a number of seconds above 0, got 0.0"),
-        (["--dist-timeout", "inf"], "--dist-timeout must be a number of seconds above 0, got inf"),
+        (["--bucket-cap-mb", "-1"], "argument --bucket-cap-mb: -1 is not a number in 0.01..4096"),
+        (["--bucket-cap-mb", "nan"], "argument --bucket-cap-mb: nan is not a number in 0.01..4096"),
+        (["--dist-timeout", "0"], "argument --dist-timeout: 0 is not a number in 1..86,400"),
+        (["--dist-timeout", "inf"], "argument --dist-timeout: inf is not a number in 1..86,400"),
+        (["--memory-format", "nhwc"], "argument --memory-format: invalid choice: 'nhwc'"),
     ],
 )
 def test_bad_options(tmp_path, args, expected):

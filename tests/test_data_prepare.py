@@ -158,6 +158,29 @@ def test_cli_index_summarises(tmp_path, capsys):
     assert "train: 4 images" in out and "val: 2 images" in out and os.fspath(src) in out
 
 
+def test_cli_index_reads_the_working_directory_as_it_reads_its_absolute_path(tmp_path, capsys, monkeypatch):
+    src = make_tree(tmp_path / "d", classes=2, train_per_class=2, val_per_class=1)
+    monkeypatch.chdir(src)
+    for here in (".", "./"):
+        assert main(["data", "index", here]) == 0
+        out = capsys.readouterr().out
+        assert "train: 4 images" in out and "val: 2 images" in out, out
+    assert main(["data", "index", ""]) == 2  # never read as "here"
+    assert "argument PATH: an empty value" in capsys.readouterr().err
+
+
+def test_copies_that_name_a_file_are_refused_not_ignored(tmp_path, monkeypatch):
+    from speedrun.errors import SpeedrunError
+
+    src = make_tree(tmp_path / "d", classes=2, train_per_class=1, val_per_class=1)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(SpeedrunError, match=r"^--copies .*afile is a file, not the folder of resized copies$"):
+        ImageFolderSource(src, workers=0, copies_dir=str(tmp_path / "afile"))
+    monkeypatch.setenv("SPEEDRUN_COPIES", str(tmp_path / "afile"))
+    with pytest.raises(SpeedrunError, match=r"^SPEEDRUN_COPIES .*afile is a file"):
+        ImageFolderSource(src, workers=0)
+
+
 @pytest.mark.slow
 def test_workers_die_with_a_killed_prepare_and_a_rerun_finishes_cleanly(tmp_path):
     # kill -9 of the main process (what the OOM killer does) must not leave workers writing.
@@ -198,13 +221,16 @@ def zombie(pid: int) -> bool:
         return False
 
 
-def test_cli_refuses_workers_below_one(tmp_path, capsys):
+def test_cli_refuses_workers_and_sizes_out_of_bounds(tmp_path, capsys):
     src = make_tree(tmp_path / "d", classes=2, train_per_class=2, val_per_class=1)
     for argv, expected in (
-        (["prepare", str(src), str(tmp_path / "sz"), "--workers", "0"], "--workers must be at least 1, got 0"),
-        (["prepare", str(src), str(tmp_path / "sz"), "--workers", "-1"], "--workers must be at least 1, got -1"),
-        (["index", str(src), "--workers", "-1"], "--workers must be at least 1, got -1"),
-        (["index", str(src), "--workers", "0"], "--workers must be at least 1, got 0"),
+        (["prepare", str(src), str(tmp_path / "sz"), "--workers", "0"],
+         "argument --workers: 0 is not a whole number in 1..256"),
+        (["prepare", str(src), str(tmp_path / "sz"), "--workers", "-1"], "argument --workers: -1 is not"),
+        (["prepare", str(src), str(tmp_path / "sz"), "--sizes", "1000000"],
+         "argument --sizes: 1000000 is not a whole number in 1..4096"),
+        (["index", str(src), "--workers", "-1"], "argument --workers: -1 is not"),
+        (["index", str(src), "--workers", "0"], "argument --workers: 0 is not a whole number in 1..256"),
     ):
         assert main(["data", *argv]) == 2
         err = capsys.readouterr().err

@@ -71,17 +71,22 @@ def test_fmnist_tree_without_the_dataset_is_a_clear_error(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("kind, args, expected", [
-    ("imagenet", ["--classes", "0"], "--classes must be at least 2"),
-    ("imagenet", ["--classes", "1"], "--classes must be at least 2"),
-    ("imagenet", ["--train-per-class", "0"], "--train-per-class must be at least 1"),
-    ("imagenet", ["--val-per-class", "-3"], "--val-per-class must be at least 1"),
-    ("imagenet", ["--workers", "-1"], "--workers must be at least 1"),
-    ("imagenet", ["--quality", "101"], "--quality must be 1..100"),
-    ("fmnist-tree", ["--train", "-5"], "--train must be at least 1"),
-    ("fmnist-tree", ["--val", "0"], "--val must be at least 1"),
-    ("fmnist-tree", ["--side", "100000"], "--side must be 28..2048 px"),
-    ("fmnist-tree", ["--side", "10"], "--side must be 28..2048 px"),
-    ("fmnist-tree", ["--seed", "-1"], "--seed must be 0 or more"),
+    ("imagenet", ["--classes", "0"], "argument --classes: 0 is not a whole number in 2..100,000"),
+    ("imagenet", ["--classes", "1"], "argument --classes: 1 is not a whole number in 2..100,000"),
+    ("imagenet", ["--classes", "1000000000"], "argument --classes: 1000000000 is not a whole number in 2..100,000"),
+    ("imagenet", ["--train-per-class", "0"], "argument --train-per-class: 0 is not a whole number in 1..100,000"),
+    ("imagenet", ["--val-per-class", "-3"], "argument --val-per-class: -3 is not a whole number in 1..100,000"),
+    ("imagenet", ["--classes", "1000", "--train-per-class", "3000"],
+     "3,020,000 images asked for: a generated tree holds at most 2,000,000"),
+    ("imagenet", ["--workers", "-1"], "argument --workers: -1 is not a whole number in 1..256"),
+    ("imagenet", ["--quality", "101"], "argument --quality: 101 is not a whole number in 1..100"),
+    ("fmnist-tree", ["--train", "-5"], "argument --train: -5 is not a whole number in 1..60,000"),
+    ("fmnist-tree", ["--train", "70000"], "argument --train: 70000 is not a whole number in 1..60,000"),
+    ("fmnist-tree", ["--val", "0"], "argument --val: 0 is not a whole number in 1..10,000"),
+    ("fmnist-tree", ["--side", "100000"], "argument --side: 100000 is not a whole number in 28..2048"),
+    ("fmnist-tree", ["--side", "10"], "argument --side: 10 is not a whole number in 28..2048"),
+    ("fmnist-tree", ["--seed", "-1"], "argument --seed: -1 is not a whole number in 0..4,294,967,295"),
+    ("fmnist-tree", ["--seed", "abc"], "argument --seed: 'abc' is not a whole number in 0..4,294,967,295"),
 ])
 def test_synth_refuses_what_it_cannot_make_in_one_line(tmp_path, capsys, kind, args, expected):
     assert main(["data", "synth", kind, str(tmp_path / "t"), *args]) == 2

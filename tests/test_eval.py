@@ -130,5 +130,13 @@ def test_eval_of_a_read_only_run_prints_the_metrics_and_says_they_were_not_recor
 
 @pytest.mark.slow
 def test_eval_at_a_size_beyond_memory_is_one_line(folder_run):
-    line = one_line_error(speedrun("eval", str(folder_run / "run"), "--size", "100000", "--workers", "1"))
-    assert "--size 100000" in line and "does not fit" in line
+    import resource
+
+    # The largest size eval takes (4096 px) in a process allowed 6 GiB of address space: the first
+    # convolution's output for the 12 images alone is over 6 GiB.
+    limit = lambda: resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))  # noqa: E731
+    line = one_line_error(speedrun("eval", str(folder_run / "run"), "--size", "4096", "--workers", "1",
+                                   preexec_fn=limit))
+    assert "--size 4096" in line and "does not fit" in line
+    line = one_line_error(speedrun_here("eval", str(folder_run / "run"), "--size", "100000"))
+    assert "argument --size: 100000 is not a whole number in 1..4096" in line

@@ -24,6 +24,34 @@ def table_rows(stdout: str) -> list[str]:
     return [line for line in stdout.splitlines() if line.strip().startswith(("r-", "live"))]
 
 
+def test_compare_skips_files_it_cannot_read_naming_each_and_plots_into_a_folder(tmp_path):
+    import shutil
+
+    good = tmp_path / "good"
+    good.mkdir()
+    (good / "results.json").write_text(json.dumps({"status": "finished", "recipe": {"name": "r"},
+                                                   "time_to_target_s": 12.5, "best": {"top1": 0.9}}))
+    (good / "metrics.jsonl").write_text(json.dumps({"wall_s": 5.0, "top1": 0.9, "images_per_s": 100.0}) + "\n")
+    (tmp_path / "latin").mkdir()
+    (tmp_path / "latin" / "results.json").write_bytes(b'{"status": "caf\xe9"}')
+    (tmp_path / "deep").mkdir()
+    (tmp_path / "deep" / "results.json").write_text("[" * 100_000 + "]" * 100_000)
+    shutil.copytree(good, tmp_path / "badlog")
+    (tmp_path / "badlog" / "metrics.jsonl").write_bytes(b"\xff\xfe\n")
+    (tmp_path / "plots").mkdir()
+    names = ("good", "latin", "deep", "badlog")
+    proc = speedrun_here("compare", *(str(tmp_path / n) for n in names), "--json", "--plot", str(tmp_path / "plots"))
+    assert proc.returncode == 0, proc.stderr
+    records = json.loads(proc.stdout)
+    assert [r["run"] for r in records] == [str(good)]
+    assert records[0]["time_to_target_s"] == 12.5 and records[0]["best_top1"] == 0.9
+    assert records[0]["images_per_s"] == 100.0 and records[0]["cost_usd"] is None
+    assert (tmp_path / "plots" / "compare.png").read_bytes()[:4] == b"\x89PNG"
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "left out 3 of 4" in lines[0], proc.stderr  # no library's warning either
+    assert all(str(tmp_path / n) in lines[0] for n in names[1:])
+
+
 @pytest.mark.slow
 def test_compare_finished_unfinished_not_reached_and_different_recipes(tmp_path):
     slower = tmp_path / "slower.py"
@@ -247,7 +275,10 @@ def test_compare_json_and_csv_give_the_table_to_scripts(one_run, tmp_path):
     assert [r["run"] for r in rows] == [str(one_run)] and rows[0]["status"] == results(one_run)["status"]
     as_csv = speedrun("compare", str(one_run), "--csv", cwd=tmp_path)
     assert as_csv.returncode == 0, as_csv.stderr
-    assert list(csv.DictReader(as_csv.stdout.splitlines())) == [{k: str(v) for k, v in r.items()} for r in rows]
+    assert list(csv.DictReader(as_csv.stdout.splitlines())) == [{k: "" if v is None else str(v) for k, v in r.items()}
+                                                                for r in rows]
+    assert isinstance(rows[0]["best_top1"], float) and 0 < rows[0]["best_top1"] <= 1  # a fraction, not "91.20%"
+    assert isinstance(rows[0]["images_per_s"], float)
     assert (tmp_path / "compare.png").is_file()  # the plot is still written, by default here
 
 
@@ -307,9 +338,14 @@ def test_compare_by_cost_sorts_by_dollars_to_target_and_shows_what_each_run_cost
     assert order["time"] == ["r-fast", "r-unpriced", "r-cheap"]
     assert order["cost"] == ["r-cheap", "r-fast", "r-unpriced"]  # no price: after those with one
     by_run = {r["run"]: r for r in rows}
-    assert by_run["r-fast"]["$ to target"] == "$0.3333" and by_run["r-fast"]["total $"] == "$0.4444"
-    assert by_run["r-cheap"]["$ to target"] == "$0.0333" and by_run["r-cheap"]["total $"] == "$0.0389"
-    assert by_run["r-unpriced"]["$ to target"] == "-" and by_run["r-unpriced"]["total $"] == "-"
+    assert by_run["r-fast"]["cost_to_target_usd"] == pytest.approx(4 * 10.0 * 30 / 3600)  # $0.3333
+    assert by_run["r-fast"]["cost_usd"] == pytest.approx(4 * 10.0 * 40 / 3600)  # $0.4444
+    assert by_run["r-cheap"]["cost_to_target_usd"] == pytest.approx(2 * 1.0 * 60 / 3600)  # $0.0333
+    assert by_run["r-cheap"]["cost_usd"] == pytest.approx(2 * 1.0 * 70 / 3600)  # $0.0389
+    assert by_run["r-unpriced"]["cost_to_target_usd"] is None and by_run["r-unpriced"]["cost_usd"] is None
+    assert by_run["r-fast"]["time_to_target_s"] == 30.0
+    table = speedrun("compare", *made, "--by", "cost", "--plot", "t.png", cwd=tmp_path).stdout
+    assert "$0.3333" in table and "$0.0389" in table  # the table for people keeps $ and units in the cells
     bad = speedrun("compare", *made, "--by", "price", cwd=tmp_path)
     assert bad.returncode == 2 and "invalid choice: 'price'" in bad.stderr
 

@@ -188,3 +188,21 @@ def test_two_sigterms_close_together_are_one_stop_and_one_after_the_results_chan
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == EXIT_RESUMABLE, (proc.returncode, stderr)
     assert status() == "stopped"
+
+
+def test_data_removed_mid_run_is_one_line_and_a_failed_run_that_says_why(tmp_path):
+    from test_data_helpers import make_tree
+
+    data = make_tree(tmp_path / "data", classes=3, train_per_class=40, val_per_class=4, sizes=[(32, 32)])
+    out = tmp_path / "run"
+    proc = start("train", "--recipe", "folder-small", "--data", str(data), "--device", "cpu", "--workers", "1",
+                 "--log-every", "1", "--out", str(out), env=env_one_thread())
+    wait_for(lambda: (out / "steps.jsonl").exists() or proc.poll() is not None, 120, "the first step")
+    shutil.rmtree(data / "train")  # the world changes under the run: its training images are gone
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert "undecodable images in a row" in lines[0] and "is the data intact?" in lines[0]
+    results = json.loads((out / "results.json").read_text())
+    assert results["status"] == "failed" and "undecodable images in a row" in results["failure"]

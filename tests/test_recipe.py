@@ -71,33 +71,78 @@ def test_linear_scaling_rule_for_other_world_sizes():
         ((Phase(1, 2, 8, 4, 0.1),), "starts at epoch 1, not 0"),
         ((Phase(0, 2, 8, 4, 0.1), Phase(3, 4, 8, 4, 0.1)), "gap after the previous phase"),
         ((Phase(0, 2, 8, 4, 0.1), Phase(1, 4, 8, 4, 0.1)), "overlaps the previous phase"),
-        ((Phase(0, 0, 8, 4, 0.1),), "ends before it starts"),
-        ((Phase(0, 1, 0, 4, 0.1),), "image size must be a positive"),
-        ((Phase(0, 1, 8, -2, 0.1),), "batch size must be a positive"),
-        ((Phase(0, 1, 8, 4, 0.0),), "LR must be positive"),
-        ((Phase(0, 1, 8, 4, (-0.1, 0.2)),), "LR must be positive"),
-        ((Phase(0, 1, 8, 4, (0.1, -0.2)),), "LR must not be negative"),
-        ((Phase(0, 1, 8, 4, 0.1, min_scale=1.5),), "min_scale must be in (0, 1]"),
-        ((Phase(0, 1, 8, 4, 0.1, copy="huge"),), "unknown data copy 'huge'"),
-        ((Phase(0, 1, 8, 4, 0.1, ratio=(4 / 3, 3 / 4)),), "ratio must be a (low, high) pair"),
-        ((Phase(0, 1, 8, 4, 0.1, ratio=(0.0, 1.0)),), "ratio must be a (low, high) pair"),
-        ((Phase(0, 1, 8, 4, 0.1, translate=0.6),), "translate must be a fraction"),
-        ((Phase(0, 1, 8, 4, 0.1, crop_pct=1.14),), "crop_pct must be in (0, 1]"),
-        ((Phase(0, 1, 8, 4, 0.1, crop_pct=0),), "crop_pct must be in (0, 1]"),
+        ("abc", "phases must be a tuple of speedrun.Phase, got 'abc'"),
     ],
 )
-def test_bad_phases_are_reported_one_line_each(phases, expected):
-    problems = make(*phases).problems()
-    assert any(expected in p for p in problems), problems
-    assert all("\n" not in p for p in problems)
-    with pytest.raises(RecipeError):
-        make(*phases).validate()
+def test_phases_that_do_not_follow_each_other_are_refused_when_the_recipe_is_made(phases, expected):
+    with pytest.raises(RecipeError) as e:
+        make(*phases) if isinstance(phases, tuple) else Recipe("t", phases=phases)
+    assert any(expected in p for p in e.value.problems), e.value.problems
+
+
+@pytest.mark.parametrize(
+    "args, kw, expected",
+    [
+        ((0, 0, 8, 4, 0.1), {}, "0 <= start < end"),
+        ((0, 1, 0, 4, 0.1), {}, "image size must be a whole number in 1..4096 (pixels), got 0"),
+        ((0, 1, -3, 4, 0.1), {}, "image size must be a whole number in 1..4096 (pixels), got -3"),
+        ((0, 1, 10**6, 4, 0.1), {}, "image size must be a whole number in 1..4096"),
+        ((0, 1, 8.5, 4, 0.1), {}, "image size must be a whole number"),
+        ((0, 1, 8, -2, 0.1), {}, "batch size must be a whole number in 1..65,536 (images per device)"),
+        ((0, 1, 8, 4, 0.0), {}, "LR must be a positive number"),
+        ((0, 1, 8, 4, "fast"), {}, "LR must be a positive number or a (start, end) pair, got 'fast'"),
+        ((0, 1, 8, 4, (-0.1, 0.2)), {}, "LR must be a positive number"),
+        ((0, 1, 8, 4, (0.1, -0.2)), {}, "LR must be a number >= 0"),
+        ((0, 1, 8, 4, 0.1), {"min_scale": 1.5}, "min_scale must be in (0, 1]"),
+        ((0, 1, 8, 4, 0.1), {"copy": "huge"}, "unknown data copy 'huge'"),
+        ((0, 1, 8, 4, 0.1), {"ratio": (4 / 3, 3 / 4)}, "ratio must be a (low, high) pair"),
+        ((0, 1, 8, 4, 0.1), {"ratio": (0.0, 1.0)}, "ratio must be a (low, high) pair"),
+        ((0, 1, 8, 4, 0.1), {"translate": 0.6}, "translate must be a fraction"),
+        ((0, 1, 8, 4, 0.1), {"crop_pct": 1.14}, "crop_pct must be in (0, 1]"),
+        ((0, 1, 8, 4, 0.1), {"crop_pct": 0}, "crop_pct must be in (0, 1]"),
+        ((0, 1, 8, 4, 0.1), {"flip": "yes"}, "flip must be True or False"),
+    ],
+)
+def test_a_bad_phase_is_refused_when_it_is_made_one_line_each(args, kw, expected):
+    with pytest.raises(RecipeError) as e:
+        Phase(*args, **kw)
+    assert isinstance(e.value, ValueError)  # what a Python caller catches
+    assert any(expected in p for p in e.value.problems), e.value.problems
+    assert all(p.startswith("phase (epochs ") and "\n" not in p for p in e.value.problems)
+
+
+@pytest.mark.parametrize("make_it, expected", [
+    (lambda: Target("top7", 0.5), "target: unknown metric 'top7'"),
+    (lambda: Target("top1", float("nan")), "target: value must be a fraction in (0, 1], got nan"),
+    (lambda: OptimizerSettings(momentum=1.5), "optimizer: momentum must be in [0, 1), got 1.5"),
+    (lambda: OptimizerSettings(name="adam"), "optimizer: unknown optimizer 'adam'"),
+    (lambda: OptimizerSettings(weight_decay="none"), "optimizer: weight decay must be a number >= 0"),
+    (lambda: make(Phase(0, 1, 8, 4, 0.1), world_size=0), "world_size must be a whole number >= 1, got 0"),
+    (lambda: make(Phase(0, 1, 8, 4, 0.1), model=5), "model must be a name (a non-empty string), got 5"),
+    (lambda: make(Phase(0, 1, 8, 4, 0.1), target="top1=0.9"), "target must be a speedrun.Target or None"),
+    (lambda: make(Phase(0, 1, 8, 4, 0.1), scale_warmup_epochs=-1), "scale_warmup_epochs must be a number >= 0"),
+    (lambda: make(Phase(0, 1, 8, 4, 0.1), eval_every=0), "eval_every must be a whole number >= 1"),
+    (lambda: make(Phase(0, 1, 8, 4, 0.1), train_examples=True), "train_examples must be a positive integer"),
+])
+def test_targets_optimizers_and_recipes_are_checked_when_they_are_made(make_it, expected):
+    with pytest.raises(RecipeError) as e:
+        make_it()
+    assert any(expected in p for p in e.value.problems), e.value.problems
 
 
 def test_several_problems_are_all_reported():
-    recipe = make(Phase(0, 1, 0, 0, -1.0), optimizer=OptimizerSettings(name="adam"), target=Target("top9", 2.0))
-    problems = recipe.problems()
-    assert len(problems) == 6, problems
+    with pytest.raises(RecipeError) as e:
+        Phase(0, 1, 0, 0, -1.0)
+    assert len(e.value.problems) == 3, e.value.problems
+    with pytest.raises(RecipeError) as e:
+        Target("top9", 2.0)
+    assert len(e.value.problems) == 2, e.value.problems
+
+
+def test_lists_read_from_json_become_pairs():
+    phase = Phase(0, 1, 8, 4, [0.1, 0.0], ratio=[1, 1])
+    assert phase.lr == (0.1, 0.0) and phase.ratio == (1, 1)
+    assert make(phase).phases == Recipe("t", phases=[phase]).phases == (phase,)
 
 
 def test_geometry_survives_the_round_trip_through_a_checkpoint_dict():
@@ -158,7 +203,7 @@ def test_recipe_file_loading(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("from speedrun import Phase, Recipe\n"
                    "recipe = Recipe(name='bad', phases=(Phase(0, 1, 28, 0, 0.1),))\n")
-    with pytest.raises(RecipeError, match="batch size"):
+    with pytest.raises(RecipeError, match=r"^recipe file '.*bad.py': phase \(epochs 0-1\): batch size must be"):
         load_recipe(str(bad))
     with pytest.raises(RecipeError, match="must define a variable `recipe`"):
         (tmp_path / "empty.py").write_text("x = 1\n")
@@ -275,4 +320,5 @@ def test_scaled_lr_warms_up_from_the_recipes_own_value():
     # Fewer devices than written for: the LR only shrinks, no ramp.
     wide = make(Phase(0, 10, 8, 4, 0.8), world_size=8, scale_warmup_epochs=2)
     assert wide.lr_at(0, 0, 10, world_size=2) == pytest.approx(0.2)
-    assert make(Phase(0, 2, 8, 4, 0.1), scale_warmup_epochs=-1).problems()
+    with pytest.raises(RecipeError):
+        make(Phase(0, 2, 8, 4, 0.1), scale_warmup_epochs=-1)

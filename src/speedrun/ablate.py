@@ -25,6 +25,7 @@ from typing import Any
 
 from speedrun.compare import RunSummary, read_run
 from speedrun.errors import EXIT_BAD_INPUT, SpeedrunError, stop_on_sigterm
+from speedrun.files import to_json
 from speedrun.recipe import Recipe
 from speedrun.rundir import FINISHED, run_status
 
@@ -129,7 +130,7 @@ class Plan:
 def plan_files(plan: Plan) -> dict[str, str]:
     """What an ablation directory holds besides its runs, by relative path: plan.json and one
     recipe file per variant."""
-    files = {"plan.json": json.dumps(plan.to_dict(), indent=2) + "\n"}
+    files = {"plan.json": to_json(plan.to_dict(), indent=2) + "\n"}
     files.update({f"{name}/recipe.py": recipe_file(r) for name, r in variants(plan.recipe, plan.tricks).items()})
     return files
 

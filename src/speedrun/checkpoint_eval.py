@@ -10,7 +10,6 @@ refused: its labels would not mean what the weights' outputs mean.
 """
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ from speedrun.config import absolute_data
 from speedrun.data import build_source
 from speedrun.dist import init_distributed, pick_device, processes, shutdown
 from speedrun.errors import SpeedrunError
+from speedrun.files import to_json
 from speedrun.learner import DeviceBatches, EvalSettings, choose_precision, device_capability, evaluate, to_device
 from speedrun.model import build_model
 from speedrun.recipe import Recipe
@@ -104,7 +104,7 @@ def evaluate_run(cfg: EvalConfig) -> dict[str, Any]:
             )
             try:
                 with open(cfg.run_dir / "eval.jsonl", "a") as f:
-                    f.write(json.dumps(record) + "\n")
+                    f.write(to_json(record) + "\n")
             except OSError as e:  # a read-only copy of a run, say: the metrics above still count
                 print(f"speedrun: not recorded in {cfg.run_dir / 'eval.jsonl'} ({e.strerror or e}); "
                       "the metrics above are "

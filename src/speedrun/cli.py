@@ -16,6 +16,7 @@ import tempfile
 import traceback
 
 from speedrun.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERNAL, EXIT_INTERRUPTED, SpeedrunError, TrainingFailed
+from speedrun.inputs import Parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     from speedrun.cluster import cli as cluster_cli
     from speedrun.data import cli as data_cli
 
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="speedrun",
         description="Train image classifiers to a target accuracy as fast as possible, on one machine or many.",
         epilog="Exit codes: 0 ok, 1 internal error, 2 bad input or a run directory that cannot be written, "
@@ -42,7 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # a usage error (Parser.error: its one line is printed), --help, --version
+        return e.code if isinstance(e.code, int) else EXIT_BAD_INPUT
     args.argv = list(sys.argv[1:] if argv is None else argv)  # for commands that re-launch themselves
     try:
         return int(run_command(args, as_program=argv is None) or 0)

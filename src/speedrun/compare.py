@@ -10,8 +10,10 @@ hosts first (the two small files of each run, never the checkpoints).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,6 +85,25 @@ class Comparison:
         return out
 
 
+    def records(self) -> list[dict[str, Any]]:
+        """The table for scripts (`compare --json`, `--csv`): the runs and columns of `rows`, with
+        numbers as numbers and their units in the names (seconds, fractions, images/s, $); None
+        where a run has no value."""
+        out = []
+        for r in self.runs:
+            flat = flatten_recipe(r.recipe)
+            record: dict[str, Any] = {"run": r.label, "recipe": r.recipe.get("name")}
+            record.update({key: flat.get(key) for key in self.differing})
+            record.update({
+                "world_size": r.world_size, "device": r.device, "seed": r.seed, "status": r.status,
+                "time_to_target_s": r.time_to_target_s, "best_top1": r.best.get("top1"),
+                "final_top1": r.final.get("top1") if r.final else None, "images_per_s": r.images_per_s,
+                "cost_to_target_usd": r.cost_to_target_usd, "cost_usd": r.cost_usd,
+            })
+            out.append(record)
+        return out
+
+
 def _pct(x: float | None) -> str:
     return f"{100 * x:.2f}%" if x is not None else "-"
 
@@ -104,7 +125,9 @@ def read_run(path: str | os.PathLike, label: str | None = None, live: bool = Tru
         raise SpeedrunError(f"{path} {what}")
     try:
         results = json.loads(results_path.read_text())
-    except ValueError:
+    except UnicodeDecodeError:
+        raise SpeedrunError(f"{results_path} is not UTF-8 text: not a speedrun results.json") from None
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than Python's json follows
         raise SpeedrunError(f"{results_path} is not JSON; was it cut short?") from None
     except OSError as e:
         raise SpeedrunError(f"{results_path} cannot be read ({e.strerror or e})") from None
@@ -232,12 +255,21 @@ def compare(runs: Sequence[RunSummary], plot: str | os.PathLike | None = None, b
 
 def plot_runs(runs: Sequence[RunSummary], path: Path, by: str = "time") -> Path:
     """Top-1 against wall time (minutes from process start), or by="cost" against $ spent by then
-    (the runs with a price), one line per run."""
-    import matplotlib
+    (the runs with a price), one line per run. Nothing of matplotlib's reaches stderr (its
+    warnings, a legend with nothing in it, say; its font-cache notes): the table says enough, and
+    a failure to write is the caller's one line."""
+    logging.getLogger("matplotlib").setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
 
+        return _plot(plt, runs, path, by)
+
+
+def _plot(plt, runs: Sequence[RunSummary], path: Path, by: str) -> Path:
     fig, ax = plt.subplots(figsize=(9, 5))
     for r in runs:
         if r.evals and (by == "time" or r.usd_per_s is not None):

@@ -21,7 +21,7 @@ from speedrun.data import build_source
 from speedrun.data.base import DataSource, TrainStream
 from speedrun.dist import (DistContext, all_reduce_sum, collective_failed, init_distributed, peer_failure, pick_device,
                            shutdown)
-from speedrun.errors import SpeedrunError, TrainingFailed, stop_on_sigterm
+from speedrun.errors import SpeedrunError, TrainingFailed, stop_on_sigterm, unwrapped
 from speedrun.files import read_jsonl
 from speedrun.learner import (DeviceBatches, EvalSettings, Learner, build_learner, check_device_options,
                               configure_determinism, evaluate)
@@ -96,7 +96,7 @@ def run_epochs(
     clock = Clock(cfg.process_start, state)
     streams = PhaseStreams(source, ctx, cfg.seed)
     writer = CheckpointWriter(last_written=f"{out / 'checkpoint.pt'} ({where(state)})" if cfg.resume else None)
-    status = "interrupted"
+    status, failure = "interrupted", None  # failure: why a "failed" run failed, one line
     first_epoch = state.epoch
     stops = StopRequests(ctx, out, cfg.spot_notice_url)
     last_save = time.time()
@@ -161,16 +161,21 @@ def run_epochs(
             writer.wait()
             if status != "stopped":
                 status = "target_reached" if state.time_to_target_s is not None else "finished"
-        except TrainingFailed:
-            status = "failed"
+        except TrainingFailed as e:
+            status, failure = "failed", str(e)
             raise
+        except SpeedrunError as e:  # the world changed under the run (its data removed, say): one line, exit 2
+            error = unwrapped(e)
+            status, failure = "failed", str(error)
+            raise error from None
         except RuntimeError as e:
             if collective_failed(e, ctx):  # a peer died: `train` says which; anything else is a bug
-                status = "failed"
+                status, failure = "failed", peer_failure(e, ctx)
             raise
         except OSError as e:
-            status = "failed"
-            raise run_dir_error(e, out, writer.last_written) from None
+            error = run_dir_error(e, out, writer.last_written)
+            status, failure = "failed", str(error)
+            raise error from None
         finally:
             streams.close()
             # Already failing or interrupted: let the last checkpoint reach the disk; the error that
@@ -181,6 +186,7 @@ def run_epochs(
             results = build_results(cfg, ctx, source, state, evals, status, clock.session_start, learner.precision,
                                     learner.memory_format)
             results["last_checkpoint"] = writer.last_written  # complete on disk; None: none
+            results["failure"] = failure
             results.update(recovery_costs(out, results["lost_s"], state.price))
             try:
                 tracker.write_results(results)

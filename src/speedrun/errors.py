@@ -43,6 +43,17 @@ def one_line(error: BaseException, limit: int = 200) -> str:
     return f"{type(error).__name__}: {error}".splitlines()[0][:limit]
 
 
+def unwrapped(error: SpeedrunError) -> SpeedrunError:
+    """`error` as its one line. A DataLoader worker's error reaches the training process re-raised
+    with the worker's whole traceback as its message ("Caught SpeedrunError in DataLoader worker
+    process 0. Original Traceback ..."); its last line holds the original message."""
+    text = str(error)
+    if "\nOriginal Traceback" not in text:
+        return error
+    line = last_line(text)
+    return SpeedrunError(line.split(": ", 1)[1] if line.startswith("speedrun.") and ": " in line else line)
+
+
 def last_line(text: str, default: str = "") -> str:
     """The last non-empty line of a command's output (where shells and tools put the reason)."""
     lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]

@@ -4,13 +4,15 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
-import json
 import sys
 from pathlib import Path
 
 from speedrun.config import absolute_data
 from speedrun.console import output_console, print_table
 from speedrun.errors import SpeedrunError
+from speedrun.files import to_json
+from speedrun.inputs import WORKERS, Bound, given, given_path
+from speedrun.recipe import EPOCHS
 from speedrun.recipes.fitting import recipe_for
 
 
@@ -24,8 +26,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "Each argument is a run directory, a directory holding runs (an ablation), or a job's name (its runs "
         "are read from its hosts). Runs still going are shown as they are.",
     )
-    p.add_argument("runs", nargs="+", metavar="RUN_DIR|JOB")
-    p.add_argument("--plot", type=Path, default=Path("compare.png"), metavar="FILE",
+    p.add_argument("runs", type=given, nargs="+", metavar="RUN_DIR|JOB")
+    p.add_argument("--plot", type=given_path, default=Path("compare.png"), metavar="FILE",
                    help="where the accuracy plot goes (default: compare.png; one that cannot be written is skipped, "
                    "the table is printed all the same)")
     p.add_argument("--by", choices=("time", "cost"), default="time",
@@ -45,17 +47,18 @@ def register(sub: argparse._SubParsersAction) -> None:
         "table and plot. The same command again continues an interrupted ablation. What 'off' means: "
         + "; ".join(f"{t.name}: {t.off}" for t in TRICKS.values()) + ".",
     )
-    p.add_argument("recipe", metavar="RECIPE", help="built-in recipe name or a .py file defining `recipe`")
-    p.add_argument("--data", default=None, metavar="PATH", help="dataset location, as for train")
+    p.add_argument("recipe", type=given, metavar="RECIPE", help="built-in recipe name or a .py file defining `recipe`")
+    p.add_argument("--data", type=given, default=None, metavar="PATH", help="dataset location, as for train")
     p.add_argument("--only", default=None, metavar="TRICK,...", help=f"these tricks only ({', '.join(TRICKS)})")
-    p.add_argument("--seeds", type=int, default=1, metavar="N", help="runs per variant, seeds 0..N-1 (default 1)")
+    p.add_argument("--seeds", type=Bound(int, 1, 1000), default=1, metavar="N",
+                   help="runs per variant, seeds 0..N-1 (default 1)")
     p.add_argument("--target", default=None, metavar="METRIC=VALUE", help="the target, as for train")
-    p.add_argument("--epochs", type=int, default=None, metavar="N", help="cut or stretch the recipe, as for train")
-    p.add_argument("--out", type=Path, default=None, metavar="DIR",
+    p.add_argument("--epochs", type=EPOCHS, default=None, metavar="N", help="cut or stretch the recipe, as for train")
+    p.add_argument("--out", type=given_path, default=None, metavar="DIR",
                    help="the ablation's directory (default: runs/ablate-<recipe>; on a job, under its run directory)")
-    p.add_argument("--job", default=None, metavar="NAME", help="run on this job's hosts, in parallel")
+    p.add_argument("--job", type=given, default=None, metavar="NAME", help="run on this job's hosts, in parallel")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="passed to every run")
-    p.add_argument("--workers", type=int, default=None, metavar="N", help="passed to every run")
+    p.add_argument("--workers", type=WORKERS, default=None, metavar="N", help="passed to every run")
     p.set_defaults(func=cmd_ablate)
 
 
@@ -67,17 +70,18 @@ def cmd_compare(args: argparse.Namespace) -> int:
     runs, skipped = read_compare_args(args.runs, note)
     if not runs:
         raise SpeedrunError("nothing to compare: " + "; ".join(skipped))
-    result = compare(runs, args.plot, args.by)
-    rows = result.rows()
+    plot = args.plot / "compare.png" if args.plot.is_dir() else args.plot  # a folder: the plot goes in it
+    result = compare(runs, plot, args.by)
     if args.json:
-        print(json.dumps(rows, indent=1))
+        print(to_json(result.records(), indent=1))
     elif args.csv:
-        writer = csv.DictWriter(sys.stdout, fieldnames=list(rows[0]), lineterminator="\n")
+        records = result.records()
+        writer = csv.DictWriter(sys.stdout, fieldnames=list(records[0]), lineterminator="\n")
         writer.writeheader()
-        writer.writerows(rows)
+        writer.writerows(records)
     else:
         console = output_console()
-        print_table(console, rows)
+        print_table(console, result.rows())
         console.print(f"{len(runs)} runs" + (f"; plot: {result.plot}" if result.plot else ""),
                       soft_wrap=True, markup=False)
     if result.plot_error:
@@ -129,8 +133,6 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     from speedrun.compare import compare, fetch_run_files
     from speedrun.recipe import Target
 
-    if args.seeds < 1:
-        raise SpeedrunError(f"--seeds must be at least 1, got {args.seeds}")
     recipe = recipe_for(args.recipe, args.data)
     if args.epochs is not None:
         recipe = recipe.with_epochs(args.epochs)
@@ -175,9 +177,8 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     results = ablate.summarise(plan, runs)
     rows = ablate.table(results)
     print_table(console, rows, title=f"time to {recipe.target or 'the end'}, {args.seeds} seed(s)")
-    (out / "ablation.json").write_text(json.dumps({"plan": plan.to_dict(), "rows": rows,
-                                                   "results": [dataclasses.asdict(r) for r in results]},
-                                                  indent=2) + "\n")
+    (out / "ablation.json").write_text(to_json({"plan": plan.to_dict(), "rows": rows,
+                                                "results": [dataclasses.asdict(r) for r in results]}, indent=2) + "\n")
     comparison = compare(list(runs.values()), out / "compare.png")
     print_table(console, comparison.rows())
     if comparison.plot_error:

@@ -3,6 +3,7 @@ JSONL records read back so that a last line cut short by a crash is dropped, not
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from collections.abc import Iterator
@@ -40,6 +41,23 @@ def write_text(path: str | os.PathLike, text: str) -> None:
         tmp.write_text(text)
 
 
+def to_json(data: Any, indent: int | None = None) -> str:
+    """`data` as JSON text, with every float that is not finite written as null. JSON has no NaN
+    or infinity: Python's json module writes `NaN` and `Infinity`, which other readers (jq,
+    JavaScript, MLflow's) refuse, so a diverged loss is recorded as null."""
+    return json.dumps(_finite_or_none(data), indent=indent, allow_nan=False)
+
+
+def _finite_or_none(data: Any) -> Any:
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, dict):
+        return {k: _finite_or_none(v) for k, v in data.items()}
+    if isinstance(data, list | tuple):
+        return [_finite_or_none(v) for v in data]
+    return data
+
+
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     """The records of a JSONL file (empty when it does not exist). A last line cut short (the
     disk filled up, the power went) is dropped: that record was never complete. A damaged line
@@ -47,7 +65,10 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     path = Path(path)
     if not path.exists():
         return []
-    text = path.read_text()
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError:
+        raise SpeedrunError(f"{path} is not UTF-8 text: not one of speedrun's JSONL files") from None
     lines = text.split("\n")
     records = []
     for number, line in enumerate(lines, 1):
@@ -55,7 +76,7 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
             continue
         try:
             records.append(json.loads(line))
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than Python's json follows
             if number == len(lines):  # no newline after it: the write was cut short
                 continue
             raise SpeedrunError(f"{path}, line {number}: not a JSON record ({line[:60]!r}); "

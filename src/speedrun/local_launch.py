@@ -10,12 +10,17 @@ import time
 from pathlib import Path
 
 from speedrun.errors import EXIT_BAD_INPUT, EXIT_RESUMABLE, SpeedrunError, TrainingFailed
+from speedrun.inputs import Bound, env_number
+
+PROCESS_START_ENV = "SPEEDRUN_PROCESS_START"  # the launcher's start, seconds since the epoch
+UNIX_TIME = Bound(float, 0, 2**33)  # seconds since 1970, up to the year 2242
 
 
 def process_start_time() -> float:
     """When this run began: the launcher's start when `--nproc-per-node` started us, else the
     moment the command line was read (after Python and speedrun's imports)."""
-    return float(os.environ.get("SPEEDRUN_PROCESS_START", time.time()))
+    start = env_number(PROCESS_START_ENV, UNIX_TIME)
+    return time.time() if start is None else start
 
 
 def launch_local_processes(argv: list[str], n: int) -> int:
@@ -28,7 +33,7 @@ def launch_local_processes(argv: list[str], n: int) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    os.environ["SPEEDRUN_PROCESS_START"] = str(process_start_time())
+    os.environ[PROCESS_START_ENV] = str(process_start_time())
     # Share the cores instead of every process starting one thread per core.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
     config = LaunchConfig(

@@ -9,12 +9,12 @@ trainer, so the one type both sides need lives here, below both.
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
 from speedrun.errors import SpeedrunError
+from speedrun.inputs import USD_PER_HOUR
 
 PRICE_ENV = "SPEEDRUN_PRICE"  # the variable holding a launched run's Price, as JSON
 NO_PRICE = ("no price: the machines' price is unknown (launch through the AWS provider, or give "
@@ -53,9 +53,9 @@ class Price:
 
 
 def check_price(usd_per_hour: float, what: str = "--price-per-hour") -> float:
-    """A price per machine-hour as given ($, above 0 and finite), or SpeedrunError."""
-    if not 0 < usd_per_hour < math.inf:
-        raise SpeedrunError(f"{what} must be a number of dollars above 0, got {usd_per_hour:g}")
+    """A price per machine-hour as given ($, within USD_PER_HOUR), or SpeedrunError."""
+    if not USD_PER_HOUR.holds(usd_per_hour):
+        raise SpeedrunError(f"{what} must be {USD_PER_HOUR} ($ per machine-hour), got {usd_per_hour!r}")
     return usd_per_hour
 
 

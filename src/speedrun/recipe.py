@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass, field
 
 from speedrun.errors import SpeedrunError
+from speedrun.inputs import Bound
 
 LearningRate = float | tuple[float, float]
 
@@ -28,6 +29,16 @@ IMAGENET_CROP_PCT = 1 / 1.14
 IMAGENET_RATIO = (3 / 4, 4 / 3)  # torchvision's RandomResizedCrop aspect-ratio range (w / h)
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")  # a run's --precision (learner.choose_precision)
 MEMORY_FORMATS = ("auto", "channels_last", "contiguous")  # a run's --memory-format (speedrun.memory_format)
+# Bounds on what a recipe may ask for, so that a typo is one line at construction rather than a
+# C++ stack or an out-of-memory minutes later. Generous: 4,096 px is 16x ImageNet's usual 256 px
+# side, 65,536 images per device is 64x the record's largest per-GPU batch.
+MAX_IMAGE_SIZE = 4096  # px, the side of a training or validation image
+MAX_BATCH_SIZE = 65536  # images per device per step
+MAX_EPOCHS = 10_000  # the last phase's end
+# The same as command-line types (`--epochs`, eval's `--size` and `--batch-size`).
+EPOCHS = Bound(int, 1, MAX_EPOCHS)
+IMAGE_SIZE = Bound(int, 1, MAX_IMAGE_SIZE)
+BATCH_SIZE = Bound(int, 1, MAX_BATCH_SIZE)
 
 
 class RecipeError(SpeedrunError, ValueError):
@@ -63,9 +74,41 @@ class Phase:
     flip: bool = True
     crop_pct: float = IMAGENET_CROP_PCT  # evaluation geometry; see IMAGENET_CROP_PCT
 
+    def __post_init__(self) -> None:
+        for name in ("lr", "ratio"):  # pairs read from JSON or written as lists
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+        _refuse(self.problems(), f"phase (epochs {self.start!r}-{self.end!r})")
+
     @property
     def epochs(self) -> int:
         return self.end - self.start
+
+    def problems(self) -> list[str]:
+        """Every reason this phase cannot run, one line each (empty when it is valid)."""
+        out = []
+        if not (_int(self.start) and _int(self.end) and 0 <= self.start < self.end <= MAX_EPOCHS):
+            out.append(f"epochs must be whole numbers with 0 <= start < end <= {MAX_EPOCHS}, "
+                       f"got start {self.start!r}, end {self.end!r}")
+        if not IMAGE_SIZE.holds(self.size):
+            out.append(f"image size must be {IMAGE_SIZE} (pixels), got {self.size!r}")
+        if not BATCH_SIZE.holds(self.batch_size):
+            out.append(f"batch size must be {BATCH_SIZE} (images per device), got {self.batch_size!r}")
+        out.extend(_lr_problems(self.lr))
+        if not (_finite(self.min_scale) and 0 < self.min_scale <= 1):
+            out.append(f"min_scale must be in (0, 1], got {self.min_scale!r}")
+        if not (isinstance(self.ratio, tuple) and len(self.ratio) == 2 and all(_finite(r) and r > 0 for r in self.ratio)
+                and self.ratio[0] <= self.ratio[1]):
+            out.append(f"ratio must be a (low, high) pair of aspect ratios with 0 < low <= high, got {self.ratio!r}")
+        if not (_finite(self.translate) and 0 <= self.translate <= 0.5):
+            out.append(f"translate must be a fraction of the image side in [0, 0.5], got {self.translate!r}")
+        if not (_finite(self.crop_pct) and 0 < self.crop_pct <= 1):
+            out.append(f"crop_pct must be in (0, 1] (1.0: the whole image), got {self.crop_pct!r}")
+        if self.copy is not None and not IMAGE_SIZE.holds(self.copy):
+            out.append(f"unknown data copy {self.copy!r} (use a shorter-side size in px, or None for full size)")
+        out.extend(f"{name} must be True or False, got {getattr(self, name)!r}"
+                   for name in ("rect_val", "flip") if not isinstance(getattr(self, name), bool))
+        return out
 
     @property
     def data_key(self) -> tuple:
@@ -95,6 +138,26 @@ class OptimizerSettings:
     no_decay: str = "norm_bias"
     label_smoothing: float = 0.0
 
+    def __post_init__(self) -> None:
+        _refuse(self.problems(), "optimizer")
+
+    def problems(self) -> list[str]:
+        """Every reason these settings cannot run, one line each (empty when they are valid)."""
+        out = []
+        if self.name not in OPTIMIZERS:
+            out.append(f"unknown optimizer {self.name!r} (choose from {', '.join(OPTIMIZERS)})")
+        if self.no_decay not in NO_DECAY_MODES:
+            out.append(f"unknown no_decay mode {self.no_decay!r} (choose from {', '.join(NO_DECAY_MODES)})")
+        if not (_finite(self.momentum) and 0 <= self.momentum < 1):
+            out.append(f"momentum must be in [0, 1), got {self.momentum!r}")
+        if not isinstance(self.nesterov, bool):
+            out.append(f"nesterov must be True or False, got {self.nesterov!r}")
+        if not (_finite(self.weight_decay) and self.weight_decay >= 0):
+            out.append(f"weight decay must be a number >= 0, got {self.weight_decay!r}")
+        if not (_finite(self.label_smoothing) and 0 <= self.label_smoothing < 1):
+            out.append(f"label smoothing must be in [0, 1), got {self.label_smoothing!r}")
+        return out
+
 
 @dataclass(frozen=True)
 class Target:
@@ -102,6 +165,18 @@ class Target:
 
     metric: str
     value: float
+
+    def __post_init__(self) -> None:
+        _refuse(self.problems(), "target")
+
+    def problems(self) -> list[str]:
+        """Every reason this target cannot be reached, one line each (empty when it is valid)."""
+        out = []
+        if self.metric not in METRICS:
+            out.append(f"unknown metric {self.metric!r} (choose from {', '.join(METRICS)})")
+        if not (_finite(self.value) and 0 < self.value <= 1):
+            out.append(f"value must be a fraction in (0, 1], got {self.value!r}")
+        return out
 
     @classmethod
     def parse(cls, text: str) -> Target:
@@ -144,6 +219,13 @@ class Recipe:
     # one over this many epochs (Goyal et al. 2017 used 5): a scaled LR at step 0 can diverge.
     scale_warmup_epochs: float = 5.0
     description: str = ""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.phases, list):  # a list reads as naturally as a tuple; keep the Recipe hashable
+            object.__setattr__(self, "phases", tuple(self.phases))
+        problems = self.problems()
+        if problems:
+            raise RecipeError(problems)
 
     @property
     def epochs(self) -> int:
@@ -207,68 +289,56 @@ class Recipe:
         return dataclasses.replace(self, phases=tuple(kept))
 
     def problems(self) -> list[str]:
-        """Every reason this recipe cannot run, one line each (empty when it is valid)."""
-        out: list[str] = []
+        """Every reason this recipe cannot run, one line each (empty when it is valid). A Recipe
+        and its parts check themselves when they are made, so this is empty for any Recipe that
+        exists; it stays for callers that ask."""
         where = f"recipe {self.name!r}"
+        out = []
+        if not (isinstance(self.name, str) and self.name.strip()):
+            out.append(f"{where}: name must be a non-empty string")
+        if not (isinstance(self.phases, tuple) and all(isinstance(p, Phase) for p in self.phases)):
+            return [*out, f"{where}: phases must be a tuple of speedrun.Phase, got {self.phases!r:.80}"]
         if not self.phases:
-            return [f"{where}: has no phases"]
+            return [*out, f"{where}: has no phases"]
         if self.phases[0].start != 0:
             out.append(f"{where}: the first phase starts at epoch {self.phases[0].start}, not 0")
         for i, p in enumerate(self.phases):
             at = f"{where}, phase {i} (epochs {p.start}-{p.end})"
-            if p.end <= p.start:
-                out.append(f"{at}: ends before it starts")
+            out.extend(f"{at}: {msg}" for msg in p.problems())
             if i > 0:
                 prev = self.phases[i - 1]
                 if p.start > prev.end:
                     out.append(f"{at}: gap after the previous phase (epochs {prev.end}-{p.start} have no phase)")
                 elif p.start < prev.end:
                     out.append(f"{at}: overlaps the previous phase (which ends at epoch {prev.end})")
-            if not isinstance(p.size, int) or p.size <= 0:
-                out.append(f"{at}: image size must be a positive number of pixels, got {p.size!r}")
-            if not isinstance(p.batch_size, int) or p.batch_size <= 0:
-                out.append(f"{at}: batch size must be a positive integer, got {p.batch_size!r}")
-            out.extend(f"{at}: {msg}" for msg in _lr_problems(p.lr))
-            if not (0 < p.min_scale <= 1):
-                out.append(f"{at}: min_scale must be in (0, 1], got {p.min_scale!r}")
-            if not (isinstance(p.ratio, tuple) and len(p.ratio) == 2 and all(_finite(r) and r > 0 for r in p.ratio)
-                    and p.ratio[0] <= p.ratio[1]):
-                out.append(f"{at}: ratio must be a (low, high) pair of aspect ratios with 0 < low <= high, "
-                           f"got {p.ratio!r}")
-            if not (_finite(p.translate) and 0 <= p.translate <= 0.5):
-                out.append(f"{at}: translate must be a fraction of the image side in [0, 0.5], got {p.translate!r}")
-            if not (_finite(p.crop_pct) and 0 < p.crop_pct <= 1):
-                out.append(f"{at}: crop_pct must be in (0, 1] (1.0: the whole image), got {p.crop_pct!r}")
-            if p.copy is not None and (not isinstance(p.copy, int) or isinstance(p.copy, bool) or p.copy <= 0):
-                out.append(f"{at}: unknown data copy {p.copy!r} (use a shorter-side size in px, or None for full size)")
-        opt = self.optimizer
-        if opt.name not in OPTIMIZERS:
-            out.append(f"{where}: unknown optimizer {opt.name!r} (choose from {', '.join(OPTIMIZERS)})")
-        if opt.no_decay not in NO_DECAY_MODES:
-            out.append(f"{where}: unknown no_decay mode {opt.no_decay!r} (choose from {', '.join(NO_DECAY_MODES)})")
-        if not (0 <= opt.momentum < 1):
-            out.append(f"{where}: momentum must be in [0, 1), got {opt.momentum!r}")
-        if opt.weight_decay < 0:
-            out.append(f"{where}: weight decay must be >= 0, got {opt.weight_decay!r}")
-        if not (0 <= opt.label_smoothing < 1):
-            out.append(f"{where}: label smoothing must be in [0, 1), got {opt.label_smoothing!r}")
-        if self.target is not None:
-            if self.target.metric not in METRICS:
-                out.append(f"{where}: unknown target metric {self.target.metric!r} (choose from {', '.join(METRICS)})")
-            if not (0 < self.target.value <= 1):
-                out.append(f"{where}: target value must be a fraction in (0, 1], got {self.target.value!r}")
-        if self.world_size < 1:
-            out.append(f"{where}: world_size must be >= 1, got {self.world_size!r}")
-        if self.ema_decay is not None and not (0 < self.ema_decay < 1):
+        for name in ("model", "dataset"):
+            if not (isinstance(getattr(self, name), str) and getattr(self, name)):
+                out.append(f"{where}: {name} must be a name (a non-empty string), got {getattr(self, name)!r}")
+        if not isinstance(self.optimizer, OptimizerSettings):
+            out.append(f"{where}: optimizer must be a speedrun.OptimizerSettings, got {self.optimizer!r}")
+        else:
+            out.extend(f"{where}, optimizer: {msg}" for msg in self.optimizer.problems())
+        if self.target is not None and not isinstance(self.target, Target):
+            out.append(f"{where}: target must be a speedrun.Target or None, got {self.target!r} "
+                       "(Target.parse('top1=0.93') reads the command line's form)")
+        elif self.target is not None:
+            out.extend(f"{where}, target: {msg}" for msg in self.target.problems())
+        if not (_int(self.world_size) and self.world_size >= 1):
+            out.append(f"{where}: world_size must be a whole number >= 1, got {self.world_size!r}")
+        if self.ema_decay is not None and not (_finite(self.ema_decay) and 0 < self.ema_decay < 1):
             out.append(f"{where}: ema_decay must be in (0, 1), got {self.ema_decay!r}")
-        if self.scale_warmup_epochs < 0:
-            out.append(f"{where}: scale_warmup_epochs must be >= 0, got {self.scale_warmup_epochs!r}")
-        if self.eval_every < 1:
-            out.append(f"{where}: eval_every must be >= 1, got {self.eval_every!r}")
+        if not (_finite(self.scale_warmup_epochs) and self.scale_warmup_epochs >= 0):
+            out.append(f"{where}: scale_warmup_epochs must be a number >= 0, got {self.scale_warmup_epochs!r}")
+        if not (_int(self.eval_every) and self.eval_every >= 1):
+            out.append(f"{where}: eval_every must be a whole number >= 1, got {self.eval_every!r}")
         for name in ("val_batch_size", "train_examples", "val_examples"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value <= 0):
+            if value is not None and not (_int(value) and value > 0):
                 out.append(f"{where}: {name} must be a positive integer or None, got {value!r}")
+        out.extend(f"{where}: {name} must be True or False, got {getattr(self, name)!r}"
+                   for name in ("eval_flip", "zero_init") if not isinstance(getattr(self, name), bool))
+        if not isinstance(self.description, str):
+            out.append(f"{where}: description must be a string, got {self.description!r}")
         return out
 
     def validate(self) -> Recipe:
@@ -305,11 +375,7 @@ class Recipe:
     @classmethod
     def from_dict(cls, data: dict) -> Recipe:
         data = dict(data)
-        data["phases"] = tuple(
-            Phase(**{**p, "lr": tuple(p["lr"]) if isinstance(p["lr"], list | tuple) else p["lr"],
-                      **({"ratio": tuple(p["ratio"])} if "ratio" in p else {})})
-            for p in data["phases"]
-        )
+        data["phases"] = tuple(Phase(**p) for p in data["phases"])  # Phase makes JSON's lists pairs again
         data["optimizer"] = OptimizerSettings(**data["optimizer"])
         data["target"] = Target(**data["target"]) if data.get("target") else None
         return cls(**data)
@@ -321,14 +387,23 @@ def _lr_problems(lr: LearningRate) -> list[str]:
             return [f"a linear LR is a (start, end) pair, got {lr!r}"]
         start, end = lr
         if not _finite(start) or start <= 0:
-            return [f"LR must be positive, got start {start!r}"]
+            return [f"LR must be a positive number, got start {start!r}"]
         # A ramp may end at exactly 0 (linear decay to zero), never below.
         if not _finite(end) or end < 0:
-            return [f"LR must not be negative, got end {end!r}"]
+            return [f"LR must be a number >= 0, got end {end!r}"]
         return []
     if not _finite(lr) or lr <= 0:
-        return [f"LR must be positive, got {lr!r}"]
+        return [f"LR must be a positive number or a (start, end) pair, got {lr!r}"]
     return []
+
+
+def _refuse(problems: list[str], where: str) -> None:
+    if problems:
+        raise RecipeError([f"{where}: {p}" for p in problems])
+
+
+def _int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _finite(x) -> bool:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import json
 import platform
 import resource
 import time
@@ -175,16 +174,16 @@ def plot_accuracy(evals: list[dict[str, Any]], target: dict | None, path: Path) 
 
 def _append_jsonl(path: Path, record: dict[str, Any]) -> None:
     with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
+        f.write(files.to_json(record) + "\n")
 
 
 def _truncate_jsonl(path: Path, keep) -> None:
     if path.exists():
-        files.write_text(path, "".join(json.dumps(r) + "\n" for r in read_jsonl(path) if keep(r)))
+        files.write_text(path, "".join(files.to_json(r) + "\n" for r in read_jsonl(path) if keep(r)))
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
-    files.write_text(path, json.dumps(data, indent=2) + "\n")
+    files.write_text(path, files.to_json(data, indent=2) + "\n")
 
 
 def build_results(

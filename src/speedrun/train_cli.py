@@ -14,8 +14,9 @@ from speedrun.console import output_console, print_table
 from speedrun.data.kinds import LOADERS
 from speedrun.errors import EXIT_FAILED, EXIT_RESUMABLE, SpeedrunError
 from speedrun.local_launch import launch_local_processes, process_start_time, strip_option
+from speedrun.inputs import PROCESSES, SEED, WORKERS, Bound, given, given_path
 from speedrun.spot import IMDS_NOTICE_URL, NOTICE_ENV
-from speedrun.recipe import MEMORY_FORMATS, PRECISIONS, Target
+from speedrun.recipe import BATCH_SIZE, EPOCHS, IMAGE_SIZE, MEMORY_FORMATS, PRECISIONS, Target
 from speedrun.recipes import BUILTIN, DEFAULT, FITTED
 from speedrun.recipes.fitting import recipe_for
 
@@ -31,15 +32,16 @@ def register(sub: argparse._SubParsersAction) -> None:
         "3 training failed (non-finite loss, a rank died), 75 stopped at a step on request (--resume continues), "
         "130 interrupted.",
     )
-    p.add_argument("--recipe", default=None, metavar="NAME|FILE",
+    p.add_argument("--recipe", type=given, default=None, metavar="NAME|FILE",
                    help="built-in recipe name or a .py file defining `recipe` (default: fashion-mnist)")
-    p.add_argument("--data", default=None, metavar="PATH", help="dataset location (default: the dataset's own lookup)")
+    p.add_argument("--data", type=given, default=None, metavar="PATH",
+                   help="dataset location (default: the dataset's own lookup)")
     p.add_argument("--target", default=None, metavar="METRIC=VALUE",
                    help="stop at this accuracy, e.g. top5=0.93 or top1=92; 'none' runs every epoch")
-    p.add_argument("--epochs", type=int, default=None, metavar="N",
+    p.add_argument("--epochs", type=EPOCHS, default=None, metavar="N",
                    help="cut the recipe to N epochs, or stretch every phase in proportion when N is more")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available, else cpu")
-    p.add_argument("--out", type=Path, default=None, metavar="DIR",
+    p.add_argument("--out", type=given_path, default=None, metavar="DIR",
                    help="run directory (default: runs/<recipe>-<date>-<time>)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
@@ -50,17 +52,17 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="layout of the model and its batches; auto: channels_last on GPUs, and on CPUs (AVX2, "
                    "AVX-512) unless the model has a strided 1x1 convolution too thin for oneDNN's kernel, whose "
                    "channels_last backward corrupts the heap; the run's first line says which and why")
-    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--seed", type=SEED, default=0, help="random seed (default 0)")
     p.add_argument("--deterministic", action="store_true", help="deterministic kernels: the same numbers run after run")
-    p.add_argument("--workers", type=int, default=None, metavar="N",
+    p.add_argument("--workers", type=WORKERS, default=None, metavar="N",
                    help="decode processes per device for image folders")
-    p.add_argument("--copies", default=None, metavar="DIR",
+    p.add_argument("--copies", type=given, default=None, metavar="DIR",
                    help="where an image folder's resized copies are (default: $SPEEDRUN_COPIES, else DATA-sz)")
     p.add_argument("--loader", choices=LOADERS, default="auto",
                    help="image-folder training decode: pil in worker processes; gpu: workers read bytes, torchvision "
                    "decodes on the training device (nvJPEG on CUDA); dali: NVIDIA DALI (needs speedrun[dali]); "
                    "auto: gpu on GPUs with hardware JPEG decoders (A100, H100, H200, B200), else pil")
-    p.add_argument("--log-every", type=int, default=50, metavar="STEPS",
+    p.add_argument("--log-every", type=Bound(int, 1, 1_000_000), default=50, metavar="STEPS",
                    help="steps between train-loss records (default 50)")
     p.add_argument("--checkpoint-every", action="append", default=None, metavar="EPOCHS|MINUTESm",
                    help="epochs between checkpoints, 0 for none (default 1); `10m`: also one mid-epoch every 10 "
@@ -68,13 +70,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--spot-notice-url", default=os.environ.get(NOTICE_ENV),
                    help="poll this URL for a spot interruption notice and stop at a step when one comes "
                         f"(EC2: {IMDS_NOTICE_URL}; default ${NOTICE_ENV})")
-    p.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+    p.add_argument("--nproc-per-node", type=PROCESSES, default=None, metavar="N",
                    help="start N processes on this machine through torchrun")
     p.add_argument("--sync-bn", action="store_true", help="synchronise BatchNorm statistics across processes")
-    p.add_argument("--bucket-cap-mb", type=float, default=25.0, metavar="MB",
+    p.add_argument("--bucket-cap-mb", type=Bound(float, 0.01, 4096), default=25.0, metavar="MB",
                    help="DDP gradient bucket size (default 25)")
     p.add_argument("--bf16-grads", action="store_true", help="all-reduce gradients in bf16 (CUDA)")
-    p.add_argument("--dist-timeout", type=float, default=300.0, metavar="SECONDS",
+    p.add_argument("--dist-timeout", type=Bound(float, 1, 86_400), default=300.0, metavar="SECONDS",
                    help="how long a collective waits for a peer that does not answer before the run fails, "
                         "naming it (default 300)")
     p.set_defaults(func=cmd_train)
@@ -86,25 +88,28 @@ def register(sub: argparse._SubParsersAction) -> None:
         "split, on one process or N, without training. Prints the metrics and appends them to RUN_DIR/eval.jsonl. "
         "Defaults: the recipe's last phase (size, rectangular or square validation, crop_pct) and its eval_flip.",
     )
-    p.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run directory holding checkpoint.pt")
-    p.add_argument("--data", default=None, metavar="PATH",
+    p.add_argument("run_dir", type=given_path, metavar="RUN_DIR", help="a run directory holding checkpoint.pt")
+    p.add_argument("--data", type=given, default=None, metavar="PATH",
                    help="dataset location (default: the one the run trained on)")
-    p.add_argument("--size", type=int, default=None, metavar="PX", help="validation image size in pixels")
+    p.add_argument("--size", type=IMAGE_SIZE, default=None, metavar="PX",
+                   help="validation image size in pixels")
     shape = p.add_mutually_exclusive_group()
     shape.add_argument("--rect", dest="rect", action="store_true", default=None, help="rectangular validation")
     shape.add_argument("--square", dest="rect", action="store_false", help="square centre crops")
     p.add_argument("--flip", action=argparse.BooleanOptionalAction, default=None,
                    help="average each image's logits with its mirror's")
-    p.add_argument("--crop-pct", type=float, default=None, metavar="F",
+    p.add_argument("--crop-pct", type=Bound(float, 0.01, 1), default=None, metavar="F",
                    help="fraction of the resized image kept: shorter side resized to size / F, centre-cropped "
                    "(1.0: whole square images; 0.877 = 1/1.14 for the ImageNet recipes)")
-    p.add_argument("--batch-size", type=int, default=None, metavar="N", help="images per device per batch")
+    p.add_argument("--batch-size", type=BATCH_SIZE, default=None, metavar="N",
+                   help="images per device per batch")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available, else cpu")
     p.add_argument("--precision", choices=PRECISIONS, default="auto", help="as for train")
-    p.add_argument("--workers", type=int, default=None, metavar="N",
+    p.add_argument("--workers", type=WORKERS, default=None, metavar="N",
                    help="decode processes per device for image folders")
-    p.add_argument("--copies", default=None, metavar="DIR", help="where an image folder's resized copies are")
-    p.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+    p.add_argument("--copies", type=given, default=None, metavar="DIR",
+                   help="where an image folder's resized copies are")
+    p.add_argument("--nproc-per-node", type=PROCESSES, default=None, metavar="N",
                    help="evaluate on N processes through torchrun")
     p.set_defaults(func=cmd_eval)
 
@@ -118,16 +123,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_tune_host)
 
     p = sub.add_parser("recipes", help="list the built-in recipes, or print one as a table")
-    p.add_argument("name", nargs="?", help="a built-in recipe name or a recipe .py file")
-    p.add_argument("--data", default=None, metavar="PATH",
+    p.add_argument("name", type=given, nargs="?", help="a built-in recipe name or a recipe .py file")
+    p.add_argument("--data", type=given, default=None, metavar="PATH",
                    help=f"the image folder a fitted recipe ({', '.join(FITTED)}) is fitted to")
     p.add_argument("--project", metavar="[GPU:]RATES", action="append", default=[],
                    help="projected wall time of the recipe (without a name: of each ImageNet schedule) from training "
                    "images/s per GPU by size: 128=10842,224=4702,288=2900 or a GPU check's summary .json; with "
                    "--machines, once per GPU kind, named as in the machine types (H100:128=...) or by the summary")
-    p.add_argument("--gpus", type=int, default=None,
+    p.add_argument("--gpus", type=Bound(int, 1, 100_000), default=None,
                    help="with --project: GPUs (default: as many as the recipe was written for)")
-    p.add_argument("--scaling", type=float, default=1.0,
+    p.add_argument("--scaling", type=Bound(float, 0.01, 1), default=1.0,
                    help="with --project: the fraction of linear speed-up kept across GPUs (default 1.0)")
     p.add_argument("--machines", metavar="TYPE[,TYPE...]",
                    help="with --project: time and $ to the target on these AWS machine types (their GPUs and prices: "
@@ -135,7 +140,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--count", metavar="N[,N...]",
                    help="with --machines: machines of each type (default: the recipe's GPUs over the type's)")
     p.add_argument("--spot", action="store_true", help="with --machines: at spot prices")
-    p.add_argument("--startup-min", type=float, default=5.0,
+    p.add_argument("--startup-min", type=Bound(float, 0, 1440), default=5.0,
                    help="with --machines: minutes of start-up each run pays for on top (machines booting, code and "
                    "data arriving; default 5)")
     p.set_defaults(func=cmd_recipes)
@@ -149,14 +154,6 @@ def cmd_train(args: argparse.Namespace) -> int:
         target = None if args.target.lower() == "none" else Target.parse(args.target)
         recipe = dataclasses.replace(recipe, target=target)
     recipe.validate()
-    for name in ("log_every", "nproc_per_node", "workers"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise SpeedrunError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-    if not 0 < args.bucket_cap_mb < float("inf"):  # also NaN; DDP would fail deep inside instead
-        raise SpeedrunError(f"--bucket-cap-mb must be a size in MB above 0, got {args.bucket_cap_mb}")
-    if not 0 < args.dist_timeout < float("inf"):
-        raise SpeedrunError(f"--dist-timeout must be a number of seconds above 0, got {args.dist_timeout}")
     checkpoint_every, checkpoint_minutes = parse_checkpoint_every(args.checkpoint_every or ["1"])
     if args.spot_notice_url and not args.spot_notice_url.startswith(("http://", "https://")):
         raise SpeedrunError(f"bad --spot-notice-url {args.spot_notice_url!r}: "
@@ -231,12 +228,6 @@ def parse_checkpoint_every(values: list[str]) -> tuple[int, float | None]:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    for name in ("size", "batch_size", "nproc_per_node", "workers"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise SpeedrunError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-    if args.crop_pct is not None and not 0 < args.crop_pct <= 1:
-        raise SpeedrunError(f"--crop-pct must be in (0, 1], got {args.crop_pct}")
     if not (args.run_dir / "checkpoint.pt").is_file():
         raise SpeedrunError(f"no checkpoint at {args.run_dir / 'checkpoint.pt'}: "
                             "RUN_DIR must be a run directory with a checkpoint")
@@ -345,8 +336,6 @@ def print_cost_projection(console: Console, args: argparse.Namespace) -> int:
         raise SpeedrunError("--gpus goes with --project alone; with --machines give --count")
     measured = [read_gpu_rates(spec) for spec in args.project]
     counts = parse_counts(args.count)
-    if args.startup_min < 0:
-        raise SpeedrunError(f"--startup-min must be 0 or more, got {args.startup_min:g}")
     names = [t.strip() for t in args.machines.split(",") if t.strip()]
     unknown = [t for t in names if gpus_of(t) is None]
     if unknown or not names:

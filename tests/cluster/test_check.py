@@ -126,8 +126,11 @@ def test_check_on_a_local_job_of_two_tasks_prints_every_size_and_writes_json(loc
 @pytest.mark.slow
 def test_check_refuses_bad_sizes_before_asking_any_host(local_job, capsys):
     job = local_job(num_tasks=1)
-    for flags, message in ((["--size", "0"], "--size must be"), (["--iters", "0"], "--iters must be at least 1"),
-                           (["--nproc-per-node", "0"], "--nproc-per-node must be at least 1")):
+    for flags, message in ((["--size", "0"], "argument --size: 0 is not a number in 0.001..16,384"),
+                           (["--iters", "0"], "argument --iters: 0 is not a whole number in 1..1,000,000"),
+                           (["--iters", str(10**11)], "argument --iters: 100000000000 is not a whole number"),
+                           (["--nproc-per-node", "0"], "argument --nproc-per-node: 0 is not a whole number in 1..1024"),
+                           (["--timeout", "nan"], "argument --timeout: nan is not a number in 0.1..86,400")):
         assert main(["check", job.name, *flags]) == 2
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1

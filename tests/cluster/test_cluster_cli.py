@@ -27,6 +27,11 @@ def test_ls_logs_and_kill_a_local_job(local_job, capsys):
     assert main(["logs", job.name, "1", "--follow"]) == 0
     assert capsys.readouterr().out == "hello 1\n"
 
+    assert main(["logs", job.name, "--window", "bad:win"]) == 2  # bad input, never a host taken for lost
+    assert "bad --window 'bad:win'" in error_line(capsys)
+    assert main(["attach", job.name]) == 2  # pytest's stdin is no terminal
+    assert "attach needs a terminal" in error_line(capsys)
+
     assert main(["ls"]) == 0  # all jobs: this one among them
     assert any(line.startswith(job.name + " ") for line in capsys.readouterr().out.splitlines())
     assert main(["kill", job.name]) == 0
@@ -67,9 +72,33 @@ def test_an_unknown_host_key_is_one_line_and_exit_status_2(netns, shared_dir, tm
     (["logs", "never-launched"], "no job named 'never-launched'"),
     (["kill", "never-launched"], "no job named"),
     (["attach", "never-launched"], "no job named"),
+    (["logs", "never-launched", "--window", "bad:win"], "bad --window 'bad:win': use letters, digits"),
+    (["ls", "--window", "bad:win"], "bad --window 'bad:win'"),
+    (["attach", "never-launched", "--window", "a b"], "bad --window 'a b'"),
 ])
 def test_bad_input_is_one_line_and_exit_status_2(argv, message, capsys):
     assert main(argv) == 2
+    assert message in error_line(capsys)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--identity", "/k"], "--identity does not apply to the local provider: the ssh options are for --provider ssh"),
+    (["--known-hosts", "/kh", "--accept-new-host-keys"],
+     "--known-hosts, --accept-new-host-keys do not apply to the local"),
+    (["--provider", "aws", "--instance-type", "m9.huge"], "unknown instance type 'm9.huge': not an EC2 type botocore"),
+    (["--provider", "aws", "--on-demand-fallback"], "on_demand_fallback is a fallback for spot instances: add --spot"),
+    (["--provider", "aws", "--vpc-cidr", "10.0.0.0/8"], "vpc_cidr 10.0.0.0/8: give an IPv4 range from /16 to /24"),
+    (["--provider", "aws", "--vpc-cidr", "ten"], "bad vpc_cidr 'ten'"),
+    (["--provider", "aws", "--identity", "/k"], "--identity does not apply to the aws provider"),
+])
+def test_options_that_do_not_apply_are_refused_offline_before_anything_is_asked(flags, message, capsys, monkeypatch,
+                                                                                tmp_path):
+    # Were a check missed, boto3 would fail fast here, on a closed local port, never ask a public address.
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    assert main(["launch", "offline", *flags, "--", "x.py"]) == 2
     assert message in error_line(capsys)
 
 
@@ -130,7 +159,7 @@ def test_a_damaged_job_record_is_skipped_by_ls_and_one_line_elsewhere(local_job,
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--nproc-per-node", "0"], "--nproc-per-node must be at least 1, got 0"),
+    (["--nproc-per-node", "0"], "argument --nproc-per-node: 0 is not a whole number in 1..1024"),
     (["--window", "no spaces"], "bad --window 'no spaces'"),
 ])
 @pytest.mark.slow

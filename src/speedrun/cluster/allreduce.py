@@ -20,13 +20,14 @@ set NCCL_DEBUG. Rank 0 writes the result, a JSON object, to `--out`.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import socket
 import time
 from pathlib import Path
 from typing import Any
+
+from speedrun.files import to_json
 
 MiB = 1 << 20
 
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(result, indent=1) + "\n")
+        tmp.write_text(to_json(result, indent=1) + "\n")
         tmp.replace(out)
         print(f"wrote {out}")
     dist.barrier()

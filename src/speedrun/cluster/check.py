@@ -17,6 +17,8 @@ import secrets
 from typing import TYPE_CHECKING, Any
 
 from speedrun.errors import SpeedrunError
+from speedrun.files import to_json
+from speedrun.inputs import Bound
 
 if TYPE_CHECKING:  # annotations only: like cli.py, the command imports the job layer when it runs
     from speedrun.cluster.job import Job
@@ -30,12 +32,16 @@ RESULT_FILE = "check.json"
 GOOD_SHARE, POOR_SHARE = 0.5, 0.2
 
 
+MESSAGE_MIB = Bound(float, 0.001, 16384)  # the largest message, MiB
+ITERS = Bound(int, 1, 1_000_000)  # timed calls per message size
+
+
 def check_sizes(size_mb: float, iters: int) -> None:
     """SpeedrunError unless the largest message (MiB) and the calls per size are ones to run."""
-    if not 0 < size_mb <= 16384:
-        raise SpeedrunError(f"--size must be a message size in MiB above 0 and at most 16384, got {size_mb:g}")
-    if iters < 1:
-        raise SpeedrunError(f"--iters must be at least 1, got {iters}")
+    if not MESSAGE_MIB.holds(size_mb):
+        raise SpeedrunError(f"--size must be {MESSAGE_MIB} (MiB), got {size_mb!r}")
+    if not ITERS.holds(iters):
+        raise SpeedrunError(f"--iters must be {ITERS}, got {iters!r}")
 
 
 def check_job(job: Job, *, size_mb: float = 64.0, iters: int = 20, nproc_per_node: int | None = None,
@@ -64,7 +70,7 @@ def check_job(job: Job, *, size_mb: float = 64.0, iters: int = 20, nproc_per_nod
     result["nominal_source"] = spec.source if spec else None
     result["efa_expected"] = bool(spec and spec.efa)
     result["verdict"] = verdict(result, spec)
-    first.write(out, json.dumps(result, indent=1) + "\n")
+    first.write(out, to_json(result, indent=1) + "\n")
     result["path"] = out
     return result
 

@@ -3,13 +3,13 @@ and the command (`cmd_check`), which runs check.py's `check_job` and prints its 
 from __future__ import annotations
 
 import argparse
-import math
 import signal
 import sys
 
-from speedrun.cluster.check import check_job, check_sizes, format_table
+from speedrun.cluster.check import ITERS, MESSAGE_MIB, check_job, check_sizes, format_table
 from speedrun.cluster.progress import show_progress
-from speedrun.errors import EXIT_FAILED, SpeedrunError, stop_on_sigterm
+from speedrun.errors import EXIT_FAILED, stop_on_sigterm
+from speedrun.inputs import PROCESSES, Bound, given
 
 
 def add_check_command(sub: argparse._SubParsersAction) -> None:
@@ -19,12 +19,12 @@ def add_check_command(sub: argparse._SubParsersAction) -> None:
                                    "NCCL; one per task on CPUs, gloo), print algbw and busbw per message size "
                                    "and a verdict against the machines' nominal network bandwidth; the result "
                                    "goes to <run_dir>/check.json.")
-    p.add_argument("name", help="job name")
-    p.add_argument("--size", type=float, default=64.0, metavar="MB", help="largest message, MiB (default 64)")
-    p.add_argument("--iters", type=int, default=20, help="timed calls per message size (default 20)")
-    p.add_argument("--nproc-per-node", type=int, default=None,
+    p.add_argument("name", type=given, help="job name")
+    p.add_argument("--size", type=MESSAGE_MIB, default=64.0, metavar="MB", help="largest message, MiB (default 64)")
+    p.add_argument("--iters", type=ITERS, default=20, help="timed calls per message size (default 20)")
+    p.add_argument("--nproc-per-node", type=PROCESSES, default=None,
                    help="processes per task (default: one per GPU, else 1)")
-    p.add_argument("--timeout", type=float, default=900.0, metavar="SECONDS",
+    p.add_argument("--timeout", type=Bound(float, 0.1, 86_400), default=900.0, metavar="SECONDS",
                    help="give up waiting for the check after this long (default 900)")
     p.set_defaults(func=cmd_check)
 
@@ -40,8 +40,6 @@ def cmd_check(args: argparse.Namespace) -> int:
     check_sizes(args.size, args.iters)  # refused before any host is asked
     if args.nproc_per_node is not None:
         check_nproc_per_node(args.nproc_per_node, "--nproc-per-node")
-    if not 0 < args.timeout < math.inf:
-        raise SpeedrunError(f"--timeout must be a number of seconds above 0, got {args.timeout:g}")
     job = open_job(args.name)
     try:
         result = check_job(job, size_mb=args.size, iters=args.iters, nproc_per_node=args.nproc_per_node,

@@ -21,7 +21,6 @@ import signal
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from speedrun.cluster.check_cli import add_check_command
@@ -30,6 +29,9 @@ from speedrun.cluster.aws.cli import AWS_OPTIONS, DOWN_REFUSED, add_aws_options,
 from speedrun.cluster.slurm.cli import add_slurm_options, slurm_options
 from speedrun.errors import EXIT_BAD_INPUT, EXIT_FAILED, SpeedrunError, stop_on_sigterm
 from speedrun.money import check_price
+from speedrun.inputs import PORT, PROCESSES, TASKS, USD_PER_HOUR, Bound, Parser, given, given_path
+
+TASK_INDEX = Bound(int, 0, TASKS.hi - 1)  # a task's number in its job, from 0
 
 if TYPE_CHECKING:  # annotations only: the commands import the cluster modules when they run
     from speedrun.cluster.job import Job
@@ -44,55 +46,58 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Start one torchrun per task with the ARGS after `--` "
                                    "(`{run_dir}` there becomes the run directory). If the job is running, "
                                    "reconnect to it instead (--restart replaces it).")
-    p.add_argument("name", help="job name (letters, digits, - and _)")
+    p.add_argument("name", type=given, help="job name (letters, digits, - and _)")
     p.add_argument("rest", nargs=argparse.REMAINDER, metavar="-- ARGS",
                    help="what torchrun runs, e.g. -- -m speedrun train --recipe tiny --out {run_dir}")
     add_launch_options(p)
     p.set_defaults(func=cmd_launch)
 
     p = sub.add_parser("ls", help="list jobs: tasks, hosts, state, uptime")
-    p.add_argument("name", nargs="?", help="only this job")
-    p.add_argument("--window", help="the command whose state is shown (default: the job's launched one, train)")
+    p.add_argument("name", type=given, nargs="?", help="only this job")
+    p.add_argument("--window", type=given,
+                   help="the command whose state is shown (default: the job's launched one, train)")
     p.set_defaults(func=cmd_ls)
 
     p = sub.add_parser("attach", help="attach this terminal to a task's tmux session (Ctrl-b d detaches)")
-    p.add_argument("name", help="job name")
-    p.add_argument("task", nargs="?", type=int, default=0, help="task index (default 0)")
-    p.add_argument("--window", help="select this window first (e.g. train, setup; default: the newest command's)")
+    p.add_argument("name", type=given, help="job name")
+    p.add_argument("task", nargs="?", type=TASK_INDEX, default=0, help="task index (default 0)")
+    p.add_argument("--window", type=given,
+                   help="select this window first (e.g. train, setup; default: the newest command's)")
     p.set_defaults(func=cmd_attach)
 
     p = sub.add_parser("logs", help="print a job's logs (all tasks, or one)")
-    p.add_argument("name", help="job name")
-    p.add_argument("task", nargs="?", type=int, help="only this task")
+    p.add_argument("name", type=given, help="job name")
+    p.add_argument("task", nargs="?", type=TASK_INDEX, help="only this task")
     p.add_argument("-f", "--follow", action="store_true", help="keep printing until the command ends")
-    p.add_argument("--window", help="whose log (default: the job's launched command, train; also setup...)")
+    p.add_argument("--window", type=given, help="whose log (default: the job's launched command, train; also setup...)")
     p.set_defaults(func=cmd_logs)
 
     p = sub.add_parser("kill", help="stop a job: kill its tmux sessions (logs and run directory stay) and its "
                                     "watcher on a controller host")
-    p.add_argument("name", help="job name")
+    p.add_argument("name", type=given, help="job name")
     p.set_defaults(func=cmd_kill)
 
     p = sub.add_parser("watch", help="watch and recover a job on the controller host that `speedrun launch "
                                      "--recover --watcher-host` prepared (it runs this itself)")
-    p.add_argument("name", help="job name")
+    p.add_argument("name", type=given, help="job name")
     p.add_argument("--check", action="store_true",
                    help="only check that the watcher can start here (its record, and the provider reached)")
     p.set_defaults(func=cmd_watch)
 
     p = sub.add_parser("down", help="end a job for good: terminate the instances speedrun started for it "
                                     "(or just kill its sessions on your own machines) and forget it")
-    p.add_argument("name", nargs="?", help="job name")
+    p.add_argument("name", type=given, nargs="?", help="job name")
     p.add_argument("--all", action="store_true",
                    help="terminate and delete everything speedrun made in AWS (instances, EFS, VPC, key pairs)")
-    p.add_argument("--region", help="with --all: this AWS region too (default: the regions of recorded jobs and "
-                                    "the AWS configuration's)")
+    p.add_argument("--region", type=given,
+                   help="with --all: this AWS region too (default: the regions of recorded jobs and "
+                        "the AWS configuration's)")
     p.add_argument("--yes", action="store_true", help="with --all: do not ask for confirmation")
     p.set_defaults(func=cmd_down)
 
     p = sub.add_parser("tb", help="start TensorBoard on task 0 and forward it here over SSH")
-    p.add_argument("name", help="job name")
-    p.add_argument("--port", type=int, default=None, help="local port (default: a free one)")
+    p.add_argument("name", type=given, help="job name")
+    p.add_argument("--port", type=PORT, default=None, help="local port (default: a free one)")
     p.set_defaults(func=cmd_tb)
 
     add_check_command(sub)
@@ -101,33 +106,33 @@ def register(sub: argparse._SubParsersAction) -> None:
 def add_launch_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--provider", choices=["local", "ssh", "aws", "slurm"], default=None,
                    help="where tasks run (default: ssh when --hosts is given, else local)")
-    p.add_argument("--hosts", default="", help="comma-separated user@host[:port] for the ssh provider")
-    p.add_argument("-n", "--tasks", type=int, default=None,
+    p.add_argument("--hosts", type=given, default=None, help="comma-separated user@host[:port] for the ssh provider")
+    p.add_argument("-n", "--tasks", type=TASKS, default=None,
                    help="number of tasks: hosts, instances or Slurm nodes (default: one per host, or 1)")
-    p.add_argument("--nproc-per-node", type=int, default=None,
+    p.add_argument("--nproc-per-node", type=PROCESSES, default=None,
                    help="processes per task (default 1; slurm: --gpus-per-node when given)")
-    p.add_argument("--run-root", default=None,
+    p.add_argument("--run-root", type=given, default=None,
                    help="where run directories go; shared storage for several hosts (default: EFS for aws, else runs)")
-    p.add_argument("--run-name", default="run", help="run directories are <run-root>/<job>/<run-name>.<NN>")
-    p.add_argument("--setup", type=Path, help="a shell script to run once per host (again when it changes)")
-    p.add_argument("--sync", type=Path, help="a local directory (your working tree) to copy to each host")
-    p.add_argument("--python", default="python3", help="the Python on the hosts (default python3)")
+    p.add_argument("--run-name", type=given, default="run", help="run directories are <run-root>/<job>/<run-name>.<NN>")
+    p.add_argument("--setup", type=given_path, help="a shell script to run once per host (again when it changes)")
+    p.add_argument("--sync", type=given_path, help="a local directory (your working tree) to copy to each host")
+    p.add_argument("--python", type=given, default="python3", help="the Python on the hosts (default python3)")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="set a variable (repeatable)")
-    p.add_argument("--window", default="train", help="the tmux window's name (default train)")
+    p.add_argument("--window", type=given, default="train", help="the tmux window's name (default train)")
     p.add_argument("--restart", action="store_true", help="replace the job if it is running")
     p.add_argument("--follow", action="store_true", help="print the logs until the job ends; exit 3 if it failed")
     p.add_argument("--wait", action="store_true", help="wait until the job ends; exit 3 if it failed")
     p.add_argument("--recover", action="store_true",
                    help="watch the job until it ends (as --wait) and keep it going: replace lost hosts (ssh: the "
                         "spare hosts listed beyond the tasks; aws: new instances) and resume from the checkpoint")
-    p.add_argument("--max-restarts", type=int, default=3,
+    p.add_argument("--max-restarts", type=Bound(int, 0, 1000), default=3,
                    help="with --recover: at most this many recoveries (default 3)")
-    p.add_argument("--price-per-hour", type=float, metavar="USD",
+    p.add_argument("--price-per-hour", type=USD_PER_HOUR, metavar="USD",
                    help="what one machine costs per hour, for runs to record what they cost (results.json); "
                         "any provider, ahead of AWS's prices (default: AWS's, else none)")
-    p.add_argument("--join-timeout", type=float, metavar="SECONDS",
+    p.add_argument("--join-timeout", type=Bound(float, 1, 86_400), metavar="SECONDS",
                    help="how long each torchrun waits for all tasks to join before failing (default 120)")
-    p.add_argument("--watcher-host", metavar="USER@HOST[:PORT]",
+    p.add_argument("--watcher-host", type=given, metavar="USER@HOST[:PORT]",
                    help="with --recover: run the watcher on this long-lived host (reached with the ssh options "
                         "below) instead of in this process, which then returns; see docs/cluster.md")
     p.add_argument("--watcher-env", action="append", default=[], metavar="KEY=VALUE",
@@ -135,10 +140,10 @@ def add_launch_options(p: argparse.ArgumentParser) -> None:
                         "AWS_PROFILE, AWS_REGION, AWS_SHARED_CREDENTIALS_FILE, AWS_ENDPOINT_URL; not recorded or "
                         "printed. AWS keys are refused: the controller has credentials of its own")
     g = p.add_argument_group("ssh")
-    g.add_argument("--identity", type=Path, help="private key (default: ssh's own choice and agent)")
-    g.add_argument("--known-hosts", type=Path,
+    g.add_argument("--identity", type=given_path, help="private key (default: ssh's own choice and agent)")
+    g.add_argument("--known-hosts", type=given_path,
                    help="speedrun's pinned host keys (default $SPEEDRUN_HOME/known_hosts)")
-    g.add_argument("--ssh-config", type=Path, help="ssh config file instead of ~/.ssh/config")
+    g.add_argument("--ssh-config", type=given_path, help="ssh config file instead of ~/.ssh/config")
     g.add_argument("--accept-new-host-keys", action="store_true",
                    help="trust and pin the key of a host seen for the first time (host keys are checked strictly)")
     add_aws_options(p)
@@ -163,13 +168,14 @@ def cmd_launch(args: argparse.Namespace) -> int:
         cut = argv.index("--")
         options, argv = argv[:cut], argv[cut + 1:]
         if options:
-            again = argparse.ArgumentParser(prog="speedrun launch NAME", add_help=False)
+            again = Parser(prog="speedrun launch NAME", add_help=False)
             add_launch_options(again)
-            again.parse_args(options, namespace=args)
+            try:
+                again.parse_args(options, namespace=args)
+            except SystemExit as e:  # a usage error: its one line is printed (Parser.error)
+                return e.code if isinstance(e.code, int) else EXIT_BAD_INPUT
     if not argv:
         raise SpeedrunError("nothing to launch: add `-- ARGS` for torchrun, e.g. -- -m speedrun train --recipe tiny")
-    if args.max_restarts < 0:
-        raise SpeedrunError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
     if args.price_per_hour is not None:
         check_price(args.price_per_hour)
     join_timeout_s = JOIN_TIMEOUT_S if args.join_timeout is None else check_join_timeout(args.join_timeout,
@@ -188,7 +194,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         raise SpeedrunError(f"--watcher-env {key}: speedrun does not copy AWS credentials to the controller; give "
                             f"it its own (an instance role, or ~/.aws there; AWS_SHARED_CREDENTIALS_FILE=PATH names "
                             f"a credentials file on it)")
-    hosts = [h for h in args.hosts.split(",") if h.strip()]
+    hosts = [h for h in (args.hosts or "").split(",") if h.strip()]
     provider = args.provider or ("ssh" if hosts else "local")
     if provider == "slurm" and args.recover:
         raise SpeedrunError("--recover is for ssh and aws jobs: a Slurm job requeues itself and resumes "
@@ -200,6 +206,12 @@ def cmd_launch(args: argparse.Namespace) -> int:
         if not args.setup.is_file():
             raise SpeedrunError(f"setup script {args.setup} does not exist")
         setup = args.setup.read_text()
+    ssh_flags = {"--identity": args.identity, "--known-hosts": args.known_hosts, "--ssh-config": args.ssh_config,
+                 "--accept-new-host-keys": args.accept_new_host_keys or None}
+    given_ssh = [flag for flag, value in ssh_flags.items() if value is not None]
+    if given_ssh and provider != "ssh" and watcher_host is None:  # they would be ignored
+        raise SpeedrunError(f"{', '.join(given_ssh)} {'does' if len(given_ssh) == 1 else 'do'} not apply to the "
+                            f"{provider} provider: the ssh options are for --provider ssh hosts and a --watcher-host")
     ssh_options = SSHOptions(known_hosts=args.known_hosts, identity_file=args.identity, ssh_config=args.ssh_config,
                              accept_new_host_keys=args.accept_new_host_keys)
     options = {k: v for k in AWS_OPTIONS if (v := vars(args)[k]) is not None} | slurm_options(args)
@@ -296,6 +308,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     from speedrun.cluster.states import summary
     from speedrun.cluster.reopen import open_job
 
+    check_window(args.window)
     # A damaged record hides nothing but itself: one line each, and the other jobs are listed.
     records, skipped = ([registry.load(args.name)], []) if args.name else registry.read_all()
     rows = [("JOB", "TASK", "HOST", "STATE", "UPTIME", "RUN DIR")]
@@ -347,9 +360,13 @@ def print_rows(rows: list[tuple[str, ...]]) -> None:
 def cmd_attach(args: argparse.Namespace) -> int:
     from speedrun.cluster.reopen import open_job
 
+    check_window(args.window)
     job = open_job(args.name)
     if not 0 <= args.task < len(job):
         raise SpeedrunError(f"job {args.name} has tasks 0..{len(job) - 1}, not {args.task}")
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):  # tmux would fail with "open terminal failed"
+        raise SpeedrunError(f"attach needs a terminal, and this one has none; without one, `speedrun logs "
+                            f"{args.name} {args.task}` prints the task's output")
     return job.attach(args.task, args.window)
 
 
@@ -357,6 +374,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
     from speedrun.cluster import registry
     from speedrun.cluster.reopen import open_job
 
+    check_window(args.window)
     job = open_job(args.name)
     if args.task is not None and not 0 <= args.task < len(job):
         raise SpeedrunError(f"job {args.name} has tasks 0..{len(job) - 1}, not {args.task}")
@@ -365,6 +383,15 @@ def cmd_logs(args: argparse.Namespace) -> int:
     for line in unreachable:  # the others' logs came; a host out of reach is a lost one (exit 3)
         print(f"speedrun: {line}", file=sys.stderr)
     return EXIT_FAILED if unreachable else 0
+
+
+def check_window(window: str | None) -> None:
+    """A --window that cannot name a command is bad input (exit 2), before any host is asked for
+    it (a host asked for it would fail, and read as lost)."""
+    if window is not None:
+        from speedrun.cluster.task import check_name
+
+        check_name(window, "--window")
 
 
 def cmd_kill(args: argparse.Namespace) -> int:

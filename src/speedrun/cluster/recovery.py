@@ -30,6 +30,7 @@ from speedrun.cluster.states import TaskStatus
 from speedrun.cluster.lifecycle import replace_task, save_record
 from speedrun.cluster.utils import REACH_TIMEOUT_S, parallel
 from speedrun.errors import SpeedrunError
+from speedrun.files import to_json
 
 log = logging.getLogger("speedrun.cluster")
 RECOVERIES = "recoveries.jsonl"
@@ -112,7 +113,7 @@ def recover(job: Job, name: str, lost: list[int], why: str, resume_flag: str) ->
     price = job.price()
     event = Recovery(start, why, replaced, resumed, time.time() - start,
                      price.machines * price.usd_per_hour if price is not None else None)
-    job.tasks[0].host.shell(f"printf '%s\\n' {shlex.quote(json.dumps(asdict(event)))} >> "
+    job.tasks[0].host.shell(f"printf '%s\\n' {shlex.quote(to_json(asdict(event)))} >> "
                             f"{shlex.quote(f'{job.run_dir}/{RECOVERIES}')}")
     log.info("job %s: started again in %.1f s%s", job.name, event.relaunch_s, " from the checkpoint" if resumed else "")
     return event

@@ -62,7 +62,7 @@ def save(record: JobRecord, config_dir: str | os.PathLike | None = None) -> Path
     """Write the record atomically; returns its path."""
     path = path_of(record.name, config_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
-    files.write_text(path, json.dumps(asdict(record), indent=2))
+    files.write_text(path, files.to_json(asdict(record), indent=2))
     return path
 
 

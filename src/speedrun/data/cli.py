@@ -6,7 +6,8 @@ import logging
 
 from rich.console import Console
 
-from speedrun.errors import SpeedrunError
+from speedrun.data.bounds import CLASSES, COPY_SIDE, FMNIST_TRAIN, FMNIST_VAL, PER_CLASS, QUALITY, SIDE
+from speedrun.inputs import SEED, WORKERS, given
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -21,12 +22,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "(never upscaled), JPEG. Resumable: finished files are skipped. Bad images go to "
         "DST/prepare-report.tsv. Training finds the copies at ROOT-sz/N by default (see docs/data.md).",
     )
-    p.add_argument("src", metavar="SRC", help="image-folder root (with train/ and val/)")
-    p.add_argument("dst", metavar="DST", help="where the copies go (recommended: SRC-sz)")
-    p.add_argument("--sizes", type=int, nargs="+", default=[160, 352], metavar="N",
+    p.add_argument("src", type=given, metavar="SRC", help="image-folder root (with train/ and val/)")
+    p.add_argument("dst", type=given, metavar="DST", help="where the copies go (recommended: SRC-sz)")
+    p.add_argument("--sizes", type=COPY_SIDE, nargs="+", default=[160, 352], metavar="N",
                    help="shorter sides in px (default: 160 352)")
-    p.add_argument("--quality", type=int, default=90, metavar="Q", help="JPEG quality 1..100 (default: 90)")
-    p.add_argument("--workers", type=int, default=None, metavar="N", help="processes (default: all cores)")
+    p.add_argument("--quality", type=QUALITY, default=90, metavar="Q", help="JPEG quality (default: 90)")
+    p.add_argument("--workers", type=WORKERS, default=None, metavar="N", help="processes (default: all cores)")
     p.set_defaults(func=cmd_prepare)
 
     p = cmds.add_parser("synth",
@@ -34,21 +35,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     kinds = p.add_subparsers(dest="kind", metavar="KIND", required=True)
     k = kinds.add_parser("imagenet",
                          help="ImageNet-shaped JPEGs (mean ~400x350 px, mostly 4:3 and 3:4), for speed tests")
-    k.add_argument("dst", metavar="DST")
-    k.add_argument("--classes", type=int, default=10)
-    k.add_argument("--train-per-class", type=int, default=100)
-    k.add_argument("--val-per-class", type=int, default=20)
+    k.add_argument("dst", type=given, metavar="DST")
+    k.add_argument("--classes", type=CLASSES, default=10)
+    k.add_argument("--train-per-class", type=PER_CLASS, default=100)
+    k.add_argument("--val-per-class", type=PER_CLASS, default=20)
     _common_synth(k)
     k.set_defaults(func=cmd_synth_imagenet)
     k = kinds.add_parser("fmnist-tree",
                          help="learnable tree: Fashion-MNIST garments off-centre on canvases of varied aspect ratio")
-    k.add_argument("dst", metavar="DST")
-    k.add_argument("--train", type=int, default=6000, help="training images (from Fashion-MNIST's 60k)")
-    k.add_argument("--val", type=int, default=1000, help="validation images (from Fashion-MNIST's 10k test set)")
-    k.add_argument("--source", default=None,
+    k.add_argument("dst", type=given, metavar="DST")
+    k.add_argument("--train", type=FMNIST_TRAIN, default=6000, help="training images (from Fashion-MNIST's 60k)")
+    k.add_argument("--val", type=FMNIST_VAL, default=1000, help="validation images (from Fashion-MNIST's 10k test set)")
+    k.add_argument("--source", type=given, default=None,
                    help="folder with the four IDX .gz files (default: /usr/share/datasets/fashion-mnist)")
     look = k.add_mutually_exclusive_group()
-    look.add_argument("--side", type=int, default=None, metavar="PX",
+    look.add_argument("--side", type=SIDE, default=None, metavar="PX",
                       help="square canvases of PX pixels instead of varied ones")
     look.add_argument("--plain", action="store_true",
                       help="the 28 x 28 grayscale originals as PNG files, nothing added")
@@ -56,15 +57,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     k.set_defaults(func=cmd_synth_fmnist)
 
     p = cmds.add_parser("index", help="build (or check) the cached index of an image-folder tree and summarise it")
-    p.add_argument("path", metavar="PATH")
-    p.add_argument("--workers", type=int, default=None, metavar="N")
+    p.add_argument("path", type=given, metavar="PATH")
+    p.add_argument("--workers", type=WORKERS, default=None, metavar="N")
     p.set_defaults(func=cmd_index)
 
 
 def _common_synth(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quality", type=int, default=90, help="JPEG quality (default: 90)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
+    p.add_argument("--quality", type=QUALITY, default=90, help="JPEG quality (default: 90)")
+    p.add_argument("--seed", type=SEED, default=0)
+    p.add_argument("--workers", type=WORKERS, default=None, help="processes (default: all cores)")
 
 
 def _log_to_console() -> None:
@@ -109,8 +110,6 @@ def cmd_index(args: argparse.Namespace) -> int:
 
     from speedrun.data.index import cache_path, load_index
 
-    if args.workers is not None and args.workers < 1:
-        raise SpeedrunError(f"--workers must be at least 1, got {args.workers}")
     _log_to_console()
     index = load_index(args.path, workers=args.workers)
     console = Console(soft_wrap=True)

@@ -211,6 +211,9 @@ class ImageFolderSource:
         self.loader = resolve_loader(loader, self.device)  # what decodes training batches here
         copies = copies_dir or os.environ.get("SPEEDRUN_COPIES") or f"{self.root.resolve()}-sz"
         self.copies_dir = Path(copies).expanduser()
+        if self.copies_dir.exists() and not self.copies_dir.is_dir():  # a typo, never "no copies"
+            given = "--copies" if copies_dir else "SPEEDRUN_COPIES" if os.environ.get("SPEEDRUN_COPIES") else "DATA-sz"
+            raise SpeedrunError(f"{given} {self.copies_dir} is a file, not the folder of resized copies")
         self.bad_images = CountedFiles()
         self.cpu_decoded = CountedFiles(what="decoding on the CPU")  # the GPU path's fallbacks (not skipped)
         self._indexes: dict[int | None, Index | None] = {}

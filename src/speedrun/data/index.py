@@ -345,7 +345,8 @@ def load_index(root: str | os.PathLike, workers: int | None = None, classes: lis
     tree's); by default it is the sorted list of train's class folders. `workers` processes read
     headers (default: all cores).
     """
-    root = Path(root)
+    # Absolute: the walk cuts each file's path after root's, and "." is not a prefix of "train/x".
+    root = Path(os.path.abspath(root))
     _check_layout(root)
     train_classes = _class_folders(root, "train")
     val_classes = _class_folders(root, "val")

@@ -27,9 +27,11 @@ from pathlib import Path
 
 from PIL import Image
 
+from speedrun.data.bounds import COPY_SIDE, QUALITY
 from speedrun.data.index import load_index
 from speedrun.data.transforms import open_image
 from speedrun.errors import SpeedrunError, one_line
+from speedrun.inputs import WORKERS
 
 REPORT_NAME = "prepare-report.tsv"
 
@@ -193,16 +195,16 @@ def prepare(
 ) -> PrepareSummary:
     """Write the resized copies of `src` under `dst` (see the module docstring)."""
     src, dst = Path(src), Path(dst)
-    if not sizes or any(n <= 0 for n in sizes):
-        raise SpeedrunError(f"--sizes must be positive pixel counts, got {sizes}")
-    if not 1 <= quality <= 100:
-        raise SpeedrunError(f"--quality must be 1..100, got {quality}")
+    if not sizes or not all(COPY_SIDE.holds(n) for n in sizes):
+        raise SpeedrunError(f"--sizes must be shorter sides in px, each {COPY_SIDE}, got {sizes}")
+    if not QUALITY.holds(quality):
+        raise SpeedrunError(f"--quality must be {QUALITY}, got {quality!r}")
     inside = [src.resolve()] + [src.resolve() / s for s in ("train", "val")]
     if any(dst.resolve() == p or p in dst.resolve().parents for p in inside[1:]) or dst.resolve() == inside[0]:
         raise SpeedrunError(f"DST {dst} must not be SRC or inside SRC's train/val folders")
     check_destination(dst)
-    if workers is not None and workers < 1:
-        raise SpeedrunError(f"--workers must be at least 1, got {workers}")
+    if workers is not None and not WORKERS.holds(workers):
+        raise SpeedrunError(f"--workers must be {WORKERS}, got {workers!r}")
     workers = workers or os.cpu_count() or 1
     index = load_index(src, workers=workers)
     if dst.is_dir():

@@ -28,6 +28,8 @@ from PIL import Image
 
 from speedrun.data.fashion_mnist import DEBIAN_DIR as FMNIST_DIR  # where dataset-fashion-mnist puts the files
 from speedrun.data.fashion_mnist import read_idx  # the one IDX reader; re-exported here
+from speedrun.data.bounds import CLASSES, FMNIST_TRAIN, FMNIST_VAL, MAX_IMAGES, PER_CLASS, QUALITY, SIDE
+from speedrun.inputs import SEED, WORKERS, Bound
 from speedrun.errors import SpeedrunError
 
 FMNIST_CLASSES = ("t-shirt", "trouser", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag", "ankle-boot")
@@ -92,29 +94,17 @@ def _run_chunks(fn, chunks: list[tuple], workers: int | None, root: Path) -> Non
 
 # Bounds on what a tree may ask for. A canvas is held as float32 with three channels while it is
 # drawn: 2048 px is 50 MB per worker, a 100000 px side would be 120 GB.
-MAX_SIDE = 2048
-
-
-def check_request(root: Path, counts: dict[str, int], quality: int, seed: int, classes: int | None = None,
-                  workers: int | None = None, side: int | None = None) -> None:
-    """SpeedrunError, one line, for a tree that cannot be written as asked: `counts` (option name:
-    images) below 1, fewer than 2 classes, a JPEG quality outside 1..100, a negative seed, fewer
-    than 1 worker, a `side` outside 28..MAX_SIDE px, or a destination that is a file or read-only."""
+def check_request(root: Path, options: dict[str, tuple[int | None, Bound]], images: int) -> None:
+    """SpeedrunError, one line, for a tree that cannot be written as asked, before anything is
+    made: an option outside its bounds (`options`: option name -> (value or None, bound)), more
+    than MAX_IMAGES `images` in all, or a destination that is a file or read-only."""
     from speedrun.data.prepare import check_destination
 
-    if classes is not None and classes < 2:
-        raise SpeedrunError(f"--classes must be at least 2 (a classifier tells classes apart), got {classes}")
-    for name, value in counts.items():
-        if value < 1:
-            raise SpeedrunError(f"--{name} must be at least 1, got {value}")
-    if not 1 <= quality <= 100:
-        raise SpeedrunError(f"--quality must be 1..100, got {quality}")
-    if seed < 0:
-        raise SpeedrunError(f"--seed must be 0 or more, got {seed}")
-    if workers is not None and workers < 1:
-        raise SpeedrunError(f"--workers must be at least 1, got {workers}")
-    if side is not None and not 28 <= side <= MAX_SIDE:
-        raise SpeedrunError(f"--side must be 28..{MAX_SIDE} px (a garment is 28 px), got {side}")
+    for name, (value, bound) in options.items():
+        if value is not None and not bound.holds(value):
+            raise SpeedrunError(f"--{name} must be {bound}, got {value!r}")
+    if images > MAX_IMAGES:
+        raise SpeedrunError(f"{images:,} images asked for: a generated tree holds at most {MAX_IMAGES:,}")
     check_destination(root)
 
 
@@ -129,8 +119,10 @@ def imagenet_tree(
 ) -> TreeSummary:
     """Write an ImageNet-shaped JPEG tree at `root` (train/ and val/ with `classes` folders)."""
     root = Path(root)
-    check_request(root, {"train-per-class": train_per_class, "val-per-class": val_per_class}, quality, seed, classes,
-                  workers)
+    check_request(root, {"classes": (classes, CLASSES), "train-per-class": (train_per_class, PER_CLASS),
+                         "val-per-class": (val_per_class, PER_CLASS), "quality": (quality, QUALITY),
+                         "seed": (seed, SEED), "workers": (workers, WORKERS)},
+                  classes * (train_per_class + val_per_class))
     names = [f"n{i:08d}" for i in range(classes)]
     jobs = []
     for split, per in (("train", train_per_class), ("val", val_per_class)):
@@ -204,7 +196,8 @@ def fmnist_tree(
         "val": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"),
     }
     root = Path(root)
-    check_request(root, {"train": train, "val": val}, quality, seed, workers=workers, side=side)
+    check_request(root, {"train": (train, FMNIST_TRAIN), "val": (val, FMNIST_VAL), "quality": (quality, QUALITY),
+                         "seed": (seed, SEED), "workers": (workers, WORKERS), "side": (side, SIDE)}, train + val)
     chunks = []
     for split, count in (("train", train), ("val", val)):
         img_file, lbl_file = (source / f for f in files[split])

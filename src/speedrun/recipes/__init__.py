@@ -35,6 +35,8 @@ def load_recipe(name_or_path: str) -> Recipe:
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
+    except RecipeError as e:  # a Phase, Target or Recipe the file made refused its values
+        raise RecipeError([f"recipe file {str(path)!r}: {p}" for p in e.problems]) from None
     except Exception as e:  # a user's file: report its error in one line
         raise RecipeError([f"recipe file {str(path)!r} failed to load: {type(e).__name__}: {e}"]) from None
     except SystemExit as e:  # exit() in a recipe would end `speedrun train` silently, even with status 0

@@ -1,13 +1,16 @@
 """The command line's AWS side: launch's options for the aws provider (`add_aws_options`, read back
 as AWSConfig's fields by AWS_OPTIONS), the AWS credentials `--watcher-env` refuses to copy
 (`is_aws_secret`), and `speedrun down --all` (`down_all`), which removes everything speedrun made
-in AWS. Like cli.py, it imports the cluster modules only when a command runs."""
+in AWS. Like cli.py, it imports the cluster modules only when a command runs, but for the config's
+bounds (config.py imports nothing of AWS's)."""
 from __future__ import annotations
 
 import argparse
 import sys
 
+from speedrun.cluster.aws.config import AUTOSTOP_MIN, DISK_GB
 from speedrun.errors import EXIT_BAD_INPUT, EXIT_FAILED
+from speedrun.inputs import given
 
 # AWSConfig's fields that launch takes as options (default None: AWSConfig's own default).
 AWS_OPTIONS = ("instance_type", "image", "spot", "on_demand_fallback", "placement_group", "efa", "shared_storage",
@@ -20,8 +23,9 @@ AWS_OPTIONS = ("instance_type", "image", "spot", "on_demand_fallback", "placemen
 def add_aws_options(p: argparse.ArgumentParser) -> None:
     """launch's options for the aws provider (AWSConfig's fields, AWS_OPTIONS), as a group of their own."""
     g = p.add_argument_group("aws (instances speedrun starts; see docs/aws.md)")
-    g.add_argument("--instance-type", help="EC2 instance type (default p5.48xlarge)")
-    g.add_argument("--image", help="AMI id, or a name pattern with * (default: the Deep Learning AMI, PyTorch, Ubuntu)")
+    g.add_argument("--instance-type", type=given, help="EC2 instance type (default p5.48xlarge)")
+    g.add_argument("--image", type=given,
+                   help="AMI id, or a name pattern with * (default: the Deep Learning AMI, PyTorch, Ubuntu)")
     g.add_argument("--spot", action="store_true", default=None, help="spot instances instead of on-demand")
     g.add_argument("--on-demand-fallback", action="store_true", default=None,
                    help="with --spot: use on-demand when no zone has spot capacity")
@@ -32,22 +36,25 @@ def add_aws_options(p: argparse.ArgumentParser) -> None:
                         "where the instance type has EFA, on (refuse a type without it), off")
     g.add_argument("--no-shared-storage", dest="shared_storage", action="store_false", default=None,
                    help="no EFS file system (run directories then stay on each host)")
-    g.add_argument("--region", help="AWS region (default: the AWS configuration's, else us-east-1)")
-    g.add_argument("--zone", help="launch in this zone only (default: the region's zones in turn)")
-    g.add_argument("--disk-gb", type=int, help="root volume size, GiB (default 500)")
-    g.add_argument("--ssh-user", help="the image's login user (default ubuntu)")
-    g.add_argument("--ssh-cidr", help="addresses allowed to SSH in (default: this machine's public address); at "
-                                      "most a /16 (IPv6: a /48), never /0")
+    g.add_argument("--region", type=given, help="AWS region (default: the AWS configuration's, else us-east-1)")
+    g.add_argument("--zone", type=given, help="launch in this zone only (default: the region's zones in turn)")
+    g.add_argument("--disk-gb", type=DISK_GB, help="root volume size, GiB (default 500)")
+    g.add_argument("--ssh-user", type=given, help="the image's login user (default ubuntu)")
+    g.add_argument("--ssh-cidr", type=given,
+                   help="addresses allowed to SSH in (default: this machine's public address); at "
+                        "most a /16 (IPv6: a /48), never /0")
     g.add_argument("--ssh-cidr-allow-wide", action="store_true", default=None,
                    help="admit an --ssh-cidr wider than /16 (IPv6: /48) to SSH: a large part of the internet")
     g.add_argument("--private-ips", action="store_true", default=None,
                    help="reach hosts at their private addresses (launching from inside the VPC)")
-    g.add_argument("--vpc-cidr", help="address range of the VPC speedrun makes (default 10.210.0.0/16)")
-    g.add_argument("--data-snapshot", help="EBS snapshot id: a volume made from it is mounted read-only on each host")
-    g.add_argument("--data-s3", help="s3:// prefix synced to the data mount on each host")
-    g.add_argument("--data-mount", help="where the data lands on each host (default /mnt/data)")
-    g.add_argument("--instance-profile", help="IAM instance profile for the instances (e.g. to read --data-s3)")
-    g.add_argument("--autostop", type=float, help="stop a host after this many idle minutes (spot: terminate)")
+    g.add_argument("--vpc-cidr", type=given, help="address range of the VPC speedrun makes (default 10.210.0.0/16)")
+    g.add_argument("--data-snapshot", type=given,
+                   help="EBS snapshot id: a volume made from it is mounted read-only on each host")
+    g.add_argument("--data-s3", type=given, help="s3:// prefix synced to the data mount on each host")
+    g.add_argument("--data-mount", type=given, help="where the data lands on each host (default /mnt/data)")
+    g.add_argument("--instance-profile", type=given,
+                   help="IAM instance profile for the instances (e.g. to read --data-s3)")
+    g.add_argument("--autostop", type=AUTOSTOP_MIN, help="stop a host after this many idle minutes (spot: terminate)")
 
 
 # What --watcher-env refuses: AWS credentials themselves (a controller uses its own, never copies).

@@ -2,11 +2,13 @@
 tags by which speedrun finds what it made again, and the fixed names it gives things."""
 from __future__ import annotations
 
+import functools
 import ipaddress
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 from speedrun.errors import SpeedrunError
+from speedrun.inputs import Bound
 
 MANAGED = "speedrun:managed"  # tag on everything speedrun makes; only such things are ever changed or removed
 JOB_TAG, TASK_TAG = "speedrun:job", "speedrun:task"
@@ -21,6 +23,8 @@ DATA_DEVICE = "/dev/sdf"  # where the data volume is attached (Nitro instances s
 # never a good part of the internet (the rule is meant for the user's own address).
 WIDEST_SSH_PREFIX = {4: 16, 6: 48}
 EFA_CHOICES = ("auto", "on", "off")
+DISK_GB = Bound(int, 8, 16_384)  # GiB: a gp3 root volume's sizes
+AUTOSTOP_MIN = Bound(float, 1, 43_200)  # idle minutes before a host stops: a minute to 30 days
 
 
 @dataclass(frozen=True)
@@ -76,12 +80,20 @@ class AWSConfig:
     boot_timeout: float = 600.0
 
     def __post_init__(self) -> None:
-        if self.disk_gb < 8:
-            raise SpeedrunError(f"disk_gb must be at least 8 (GiB), got {self.disk_gb}")
+        # Checked here, offline, before any credentials are looked up or anything is made.
+        if self.instance_type not in ec2_instance_types():
+            raise SpeedrunError(f"unknown instance type {self.instance_type!r}: not an EC2 type botocore knows (a type "
+                                "newer than botocore needs `pip install -U botocore`), e.g. p5.48xlarge, p4d.24xlarge")
+        if self.on_demand_fallback and not self.spot:
+            raise SpeedrunError("on_demand_fallback is a fallback for spot instances: add --spot (spot=True), or "
+                                "leave it out for on-demand instances")
+        object.__setattr__(self, "vpc_cidr", check_vpc_cidr(self.vpc_cidr))
+        if not DISK_GB.holds(self.disk_gb):
+            raise SpeedrunError(f"disk_gb must be {DISK_GB} (GiB), got {self.disk_gb!r}")
         if self.efa not in EFA_CHOICES:
             raise SpeedrunError(f"efa must be one of {', '.join(EFA_CHOICES)}, got {self.efa!r}")
-        if self.autostop is not None and self.autostop <= 0:
-            raise SpeedrunError(f"autostop must be a positive number of minutes, got {self.autostop}")
+        if self.autostop is not None and not AUTOSTOP_MIN.holds(self.autostop):
+            raise SpeedrunError(f"autostop must be {AUTOSTOP_MIN} (minutes), got {self.autostop!r}")
         if self.ssh_cidr is not None:  # as AWS wants it: a network with its prefix
             object.__setattr__(self, "ssh_cidr", check_ssh_cidr(self.ssh_cidr, self.ssh_cidr_allow_wide))
         for path in (self.efs_mount, self.data_mount):
@@ -89,6 +101,27 @@ class AWSConfig:
                 raise SpeedrunError(f"mount paths must be absolute, got {path!r}")
         if self.data_s3 is not None and not self.data_s3.startswith("s3://"):
             raise SpeedrunError(f"data_s3 must be an s3:// URL, got {self.data_s3!r}")
+
+
+def check_vpc_cidr(cidr: str) -> str:
+    """The VPC's range as a network, checked: IPv4 from /16 to /24 (AWS's VPC sizes are /16 to /28,
+    and each of up to 16 zones gets a sixteenth, at least the /28 a subnet needs)."""
+    try:
+        net = ipaddress.ip_network(cidr, strict=False)
+    except ValueError:
+        raise SpeedrunError(f"bad vpc_cidr {cidr!r}: write an IPv4 range such as 10.210.0.0/16") from None
+    if net.version != 4 or not 16 <= net.prefixlen <= 24:
+        raise SpeedrunError(f"vpc_cidr {cidr}: give an IPv4 range from /16 to /24 (each zone's subnet is a "
+                            "sixteenth of it, and AWS's smallest subnet is a /28)")
+    return str(net)
+
+
+@functools.cache
+def ec2_instance_types() -> frozenset[str]:
+    """Every instance type botocore's EC2 model names: read from the installed package, offline."""
+    import botocore.session
+
+    return frozenset(botocore.session.get_session().get_service_model("ec2").shape_for("InstanceType").enum)
 
 
 def check_ssh_cidr(cidr: str, allow_wide: bool = False) -> str:

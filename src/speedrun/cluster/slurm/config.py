@@ -7,6 +7,12 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from speedrun.errors import SpeedrunError
+from speedrun.inputs import Bound
+
+GPUS_PER_NODE = Bound(int, 1, 64)
+CPUS_PER_TASK = Bound(int, 1, 4096)
+SIGNAL_LEAD_S = Bound(int, 1, 65_535)  # Slurm's --signal takes at most 65535 s
+MAX_REQUEUES = Bound(int, 0, 1000)
 
 # Slurm's time limits (sbatch --time): minutes, minutes:seconds, hours:minutes:seconds, days-hours,
 # days-hours:minutes, days-hours:minutes:seconds.
@@ -69,14 +75,11 @@ class SlurmConfig:
                 raise SpeedrunError(f"time limit {self.time} ({limit} s) leaves no time before its warning signal, "
                                     f"{self.signal_lead_s} s before the end: give more time or a smaller "
                                     f"signal_lead_s")
-        for name in ("gpus_per_node", "cpus_per_task"):
+        for name, bound in (("gpus_per_node", GPUS_PER_NODE), ("cpus_per_task", CPUS_PER_TASK),
+                            ("signal_lead_s", SIGNAL_LEAD_S), ("max_requeues", MAX_REQUEUES)):
             value = getattr(self, name)
-            if value is not None and value < 1:
-                raise SpeedrunError(f"{name} must be at least 1, got {value}")
-        if self.signal_lead_s < 1:
-            raise SpeedrunError(f"signal_lead_s must be at least 1 second, got {self.signal_lead_s}")
-        if self.max_requeues < 0:
-            raise SpeedrunError(f"max_requeues must be 0 or more, got {self.max_requeues}")
+            if value is not None and not bound.holds(value):
+                raise SpeedrunError(f"{name} must be {bound}, got {value!r}")
         if isinstance(self.sbatch_args, str):
             raise SpeedrunError("sbatch_args is a list of options (['--exclusive']), not one string")
         object.__setattr__(self, "sbatch_args", tuple(self.sbatch_args))
