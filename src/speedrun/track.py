@@ -41,6 +41,9 @@ if TYPE_CHECKING:  # types only: the loop hands these in
     from speedrun.memory_format import MemoryFormat
 
 
+TB_FLUSH_S = 5  # seconds between TensorBoard's flushes to disk (see Tracker.__init__)
+
+
 class Tracker:
     """Logs to TensorBoard, JSONL files, the console and a progress bar. With `enabled=False`
     (ranks other than 0) every method does nothing."""
@@ -62,7 +65,11 @@ class Tracker:
                 _truncate_jsonl(self.run_dir / "steps.jsonl", lambda r: r["step"] <= resume_step)
                 _truncate_jsonl(self.run_dir / "metrics.jsonl", lambda r: r["step"] <= resume_step)
             # purge_step hides TensorBoard events past the checkpoint for the same reason.
-            self._tb = SummaryWriter(str(self.run_dir / "tb"),
+            # flush_secs: TensorBoard's writer thread wakes at least this often (torch's default:
+            # every 120 s). A Ctrl-C that lands while an event is queued can cost that thread its
+            # wake-up (a stale waiter takes the notify), and closing waits until it wakes by itself:
+            # seconds, not minutes. Events also reach a live TensorBoard sooner.
+            self._tb = SummaryWriter(str(self.run_dir / "tb"), flush_secs=TB_FLUSH_S,
                                      purge_step=resume_step + 1 if resume_step is not None else None)
 
     # -- console ---------------------------------------------------------------------------

@@ -132,7 +132,8 @@ def test_launch_wait_stops_the_others_when_a_task_fails(netns, shared_dir, job_n
 def test_a_bad_join_timeout_is_one_line(capsys):
     assert main(["launch", "bad-join", "--join-timeout", "0", "--", "x.py"]) == 2
     assert capsys.readouterr().err.strip() == (
-        "speedrun: error: --join-timeout must be a number of seconds above 0, got 0")
+        "speedrun: error: speedrun launch NAME: argument --join-timeout: 0 is not a number in 1..86,400 "
+        "(`speedrun launch NAME --help` for usage)")
 
 
 @pytest.mark.parametrize("waiting", ["--wait", "--follow"])

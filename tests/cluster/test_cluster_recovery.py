@@ -125,4 +125,6 @@ def test_a_watcher_started_again_takes_over_and_counts_earlier_recoveries(local_
 def test_a_negative_max_restarts_is_one_line(capsys):
     from speedrun.cli import main
     assert main(["launch", "neg", "--recover", "--max-restarts", "-1", "--", "x.py"]) == 2
-    assert capsys.readouterr().err.strip() == "speedrun: error: --max-restarts must be 0 or more, got -1"
+    assert capsys.readouterr().err.strip() == (
+        "speedrun: error: speedrun launch NAME: argument --max-restarts: -1 is not a whole number in 0..1000 "
+        "(`speedrun launch NAME --help` for usage)")
