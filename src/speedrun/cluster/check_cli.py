@@ -6,7 +6,7 @@ import argparse
 import signal
 import sys
 
-from speedrun.cluster.check import ITERS, MESSAGE_MIB, check_job, check_sizes, format_table
+from speedrun.cluster.check import ITERS, MESSAGE_MIB, check_job, format_table
 from speedrun.cluster.progress import show_progress
 from speedrun.errors import EXIT_FAILED, stop_on_sigterm
 from speedrun.inputs import PROCESSES, Bound, given
@@ -30,16 +30,12 @@ def add_check_command(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from speedrun.cluster.job import check_nproc_per_node
     from speedrun.cluster.reopen import open_job
     from speedrun.cluster.states import telling_line
     from speedrun.cluster.task import CommandFailed
 
     show_progress()  # what the job layer says meanwhile (a task failed, the Slurm job submitted...)
     stop_on_sigterm((signal.SIGTERM, signal.SIGHUP))  # as Ctrl-C: the check is stopped on the tasks too
-    check_sizes(args.size, args.iters)  # refused before any host is asked
-    if args.nproc_per_node is not None:
-        check_nproc_per_node(args.nproc_per_node, "--nproc-per-node")
     job = open_job(args.name)
     try:
         result = check_job(job, size_mb=args.size, iters=args.iters, nproc_per_node=args.nproc_per_node,

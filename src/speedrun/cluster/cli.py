@@ -28,7 +28,6 @@ from speedrun.cluster.progress import show_progress
 from speedrun.cluster.aws.cli import AWS_OPTIONS, DOWN_REFUSED, add_aws_options, down_all, is_aws_secret
 from speedrun.cluster.slurm.cli import add_slurm_options, slurm_options
 from speedrun.errors import EXIT_BAD_INPUT, EXIT_FAILED, SpeedrunError, stop_on_sigterm
-from speedrun.money import check_price
 from speedrun.inputs import PORT, PROCESSES, TASKS, USD_PER_HOUR, Bound, Parser, given, given_path
 
 TASK_INDEX = Bound(int, 0, TASKS.hi - 1)  # a task's number in its job, from 0
@@ -152,7 +151,7 @@ def add_launch_options(p: argparse.ArgumentParser) -> None:
 
 def cmd_launch(args: argparse.Namespace) -> int:
     from speedrun.cluster.hosts import HostLost
-    from speedrun.cluster.job import JOIN_TIMEOUT_S, check_join_timeout, check_nproc_per_node
+    from speedrun.cluster.job import JOIN_TIMEOUT_S
     from speedrun.cluster.states import summary
     from speedrun.cluster.lifecycle import make_job, save_record
     from speedrun.cluster.providers import make_provider
@@ -176,13 +175,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
                 return e.code if isinstance(e.code, int) else EXIT_BAD_INPUT
     if not argv:
         raise SpeedrunError("nothing to launch: add `-- ARGS` for torchrun, e.g. -- -m speedrun train --recipe tiny")
-    if args.price_per_hour is not None:
-        check_price(args.price_per_hour)
-    join_timeout_s = JOIN_TIMEOUT_S if args.join_timeout is None else check_join_timeout(args.join_timeout,
-                                                                                         "--join-timeout")
+    # --price-per-hour, --join-timeout, --nproc-per-node: within their bounds already (the parser's types).
+    join_timeout_s = JOIN_TIMEOUT_S if args.join_timeout is None else args.join_timeout
     # What job.launch would refuse, refused before make_job makes the sessions, run directory and record.
-    if args.nproc_per_node is not None:
-        check_nproc_per_node(args.nproc_per_node, "--nproc-per-node")
     check_name(args.window, "--window")
     if args.watcher_host is not None and not args.recover:
         raise SpeedrunError("--watcher-host needs --recover (it says where the recovering watcher runs)")
