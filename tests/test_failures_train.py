@@ -198,7 +198,11 @@ def test_data_removed_mid_run_is_one_line_and_a_failed_run_that_says_why(tmp_pat
     proc = start("train", "--recipe", "folder-small", "--data", str(data), "--device", "cpu", "--workers", "1",
                  "--log-every", "1", "--out", str(out), env=env_one_thread())
     wait_for(lambda: (out / "steps.jsonl").exists() or proc.poll() is not None, 120, "the first step")
-    shutil.rmtree(data / "train")  # the world changes under the run: its training images are gone
+    # The world changes under the run: its training images are gone, all at once. A rename is atomic;
+    # rmtree removes file by file, and a batch decoded meanwhile rightly skips (and logs) the files
+    # already gone while it still finds others, which is a different story from this one.
+    (data / "train").rename(tmp_path / "gone")
+    shutil.rmtree(tmp_path / "gone")
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 2, err
     lines = err.strip().splitlines()
