@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import stat
 import subprocess
 import time
@@ -22,6 +23,7 @@ from speedrun.cluster import aws as aws_provider
 from speedrun.cluster import registry
 from speedrun.errors import SpeedrunError
 
+from cli_run import start
 from test_cluster_e2e import ONE_THREAD, TRAIN, check_trained
 
 pytestmark = [pytest.mark.netns, pytest.mark.aws]
@@ -190,6 +192,41 @@ def test_a_launch_failing_after_instances_started_terminates_them(aws, job_name)
     assert aws.client().describe_placement_groups()["PlacementGroups"] == []
     msg = str(e.value)
     assert "terminated the 2 instance(s) it launched" in msg and all(i in msg for i in ids)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_a_signal_while_launch_starts_instances_terminates_every_one_it_started(aws, job_name, sig):
+    # A login the image does not have: the instances start and launch waits for SSH that never lets
+    # it in. The signal comes as soon as AWS lists them, which may be before launch has heard back.
+    flags = ["nobody-here" if f == "root" else f for f in cli_flags(aws)]
+    proc = start("launch", job_name, *flags, "-n", "2", "--", "-c", "pass")
+    try:
+        wait_for(lambda: len(job_instances(aws, job_name)) == 2 or proc.poll() is not None)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    ids = sorted(i["InstanceId"] for i in job_instances(aws, job_name))
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("speedrun: interrupted: ") and f"{sig.name}" in line and all(i in line for i in ids), line
+    assert len(ids) == 2 and live(job_instances(aws, job_name)) == []
+    assert aws.client().describe_placement_groups()["PlacementGroups"] == []
+
+
+def test_instances_a_launch_cannot_terminate_are_recorded_for_down(aws, job_name, capsys):
+    aws.garble("TerminateInstances")  # AWS answers everything but the clean-up
+    with pytest.raises(SpeedrunError) as e:  # SSH never lets speedrun in: the launch fails and cleans up
+        make_job(job_name, 2, **options(aws, ssh_user="nobody-here", boot_timeout=1))
+    ids = sorted(i["InstanceId"] for i in live(job_instances(aws, job_name)))
+    line = str(e.value)
+    assert len(ids) == 2 and all(i in line for i in ids) and f"speedrun down {job_name}" in line, line
+    aws.faults.clear()  # AWS reachable again: ls shows what the launch left, down ends it
+    assert main(["ls", job_name]) == 0
+    out = capsys.readouterr().out
+    assert any(ln.split()[:4] == [job_name, "c5.large", "on-demand", "2"] for ln in out.splitlines()), out
+    assert main(["down", job_name]) == 0
+    assert live(job_instances(aws, job_name)) == [] and not registry.exists(job_name)
 
 
 def test_ls_shows_what_a_job_costs_and_down_all_removes_everything_speedrun_made(aws, job_name, capsys):

@@ -159,6 +159,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from speedrun.cluster.task import check_name
 
     show_progress()
+    # Ended by `kill` or a closed terminal as by Ctrl-C: machines it is starting are given back.
+    stop_on_sigterm((signal.SIGTERM, signal.SIGHUP))
 
     # Options may come before the name (argparse took them) or after it, up to `--` (parsed here:
     # argparse cannot tell them from the torchrun arguments on its own).

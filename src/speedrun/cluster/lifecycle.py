@@ -27,7 +27,7 @@ from speedrun.cluster import registry, tmux
 from speedrun.cluster.hosts import Host
 from speedrun.cluster.job import DEFAULT_SYNC_EXCLUDE, HostSetup, Job
 from speedrun.cluster.probe import TaskProbe, probe_task, resolve
-from speedrun.cluster.provider import Provider
+from speedrun.cluster.provider import MachinesLeft, Provider
 from speedrun.cluster.providers import make_provider
 from speedrun.cluster.slurm import SlurmProvider
 from speedrun.cluster.slurm.job import make_slurm_job
@@ -91,7 +91,11 @@ def make_job(name: str, num_tasks: int = 1, *, provider: str | Provider = "local
         keep_price(job, price_per_hour, config_dir)
         save_record(job, config_dir)
         return job
-    hosts_ = prov.hosts(num_tasks)
+    try:
+        hosts_ = prov.hosts(num_tasks)
+    except MachinesLeft:
+        record_left(name, num_tasks, prov, python, config_dir)
+        raise
     run_root = run_root or prov.run_root or "runs"
     hs = HostSetup(tmux_socket, host_dir, Path(sync).resolve() if sync is not None else None, tuple(sync_exclude),
                    setup)
@@ -130,6 +134,16 @@ def make_job(name: str, num_tasks: int = 1, *, provider: str | Provider = "local
     keep_price(job, price_per_hour, config_dir)
     save_record(job, config_dir)
     return job
+
+
+def record_left(name: str, num_tasks: int, prov: Provider, python: str,
+                config_dir: str | os.PathLike | None) -> None:
+    """Record a job whose start failed with machines left running (MachinesLeft), so that `speedrun
+    down NAME` finds and ends them: it has no run directory yet. A job recorded already keeps its
+    record, which finds them as well."""
+    if not registry.exists(name, config_dir):
+        registry.save(registry.JobRecord(name=name, num_tasks=num_tasks, provider=prov.record(), run_dir="",
+                                         cwd=None, python=python, created=time.time()), config_dir)
 
 
 def keep_price(job: Job, given: float | None, config_dir: str | os.PathLike | None) -> None:

@@ -22,6 +22,16 @@ from speedrun.errors import SpeedrunError
 from speedrun.money import Price
 
 
+class MachinesLeft(SpeedrunError):
+    """Getting hosts failed, and the machines the provider had started for it could not be given
+    back (the provider did not answer): `machines` names them. make_job then records the job, so
+    that `speedrun down JOB` ends them once the provider answers again."""
+
+    def __init__(self, message: str, machines: Sequence[str], exit_code: int):
+        super().__init__(message)
+        self.machines, self.exit_code = list(machines), exit_code
+
+
 @dataclass
 class Billing:
     """What a job's machines cost: one line of `speedrun ls`."""

@@ -34,10 +34,16 @@ def live_instances(s: Session, filters: list[dict[str, Any]]) -> list[dict[str, 
         return [i for page in pages for r in page["Reservations"] for i in r["Instances"]]
 
 
+def tagged_instances(s: Session, job: str) -> list[dict[str, Any]]:
+    """Every live instance tagged with the job, also one that a launch started but did not get to
+    give a task (interrupted between AWS starting it and tagging it)."""
+    return live_instances(s, [{"Name": f"tag:{JOB_TAG}", "Values": [job]}])
+
+
 def job_instances(s: Session, job: str) -> dict[int, dict[str, Any]]:
     """The job's live instances by task index (the newest when two claim one index)."""
     found: dict[int, dict[str, Any]] = {}
-    for inst in sorted(live_instances(s, [{"Name": f"tag:{JOB_TAG}", "Values": [job]}]), key=lambda i: i["LaunchTime"]):
+    for inst in sorted(tagged_instances(s, job), key=lambda i: i["LaunchTime"]):
         task = tag_value(inst, TASK_TAG)
         if task is not None and task.isdigit():
             found[int(task)] = inst

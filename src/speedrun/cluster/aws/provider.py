@@ -10,23 +10,23 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from speedrun.cluster import registry
-from speedrun.cluster.aws.api import AWSFailed, Session
+from speedrun.cluster.aws.api import Session
 from speedrun.cluster.aws.config import GROUP_TAG, AWSConfig, placement_group_name, tag_value
 from speedrun.cluster.aws.efa import (TypeNetwork, attach_public_addresses, efa_environment, needs_elastic_ip,
                                       release_addresses, type_network, wants_efa)
 from speedrun.cluster.aws.instances import (forget_host_key, instance_host, job_hosts, job_instances, launch,
-                                            start_stopped, terminate, wait_for_ssh, wait_running)
+                                            start_stopped, tagged_instances, terminate, wait_for_ssh, wait_running)
 from speedrun.cluster.aws.pricing import job_billing
 from speedrun.cluster.aws.resources import (Network, caller_cidr, delete_placement_group, ensure_efs, ensure_key_pair,
                                             ensure_network, ensure_placement_group, ensure_rules, ensure_subnet,
                                             find_image, key_path)
 from speedrun.cluster.aws.scripts import prepare_host
 from speedrun.cluster.hosts import Host
-from speedrun.cluster.provider import Billing, NetworkSpec, Provider
+from speedrun.cluster.provider import Billing, MachinesLeft, NetworkSpec, Provider
 from speedrun.money import Price
 from speedrun.cluster.ssh import SSHHost, SSHOptions
 from speedrun.cluster.utils import parallel
-from speedrun.errors import SpeedrunError
+from speedrun.errors import EXIT_BAD_INPUT, SpeedrunError
 from speedrun.spot import IMDS_NOTICE_URL, NOTICE_ENV
 
 log = logging.getLogger("speedrun.cluster")
@@ -126,6 +126,8 @@ class AWSProvider(Provider):
         name order, unless `zone` pins one."""
         s, c = self.session, self.config
         found = job_instances(s, self.job)
+        # After a failure, what is not among these, this launch started.
+        before = {i["InstanceId"] for i in tagged_instances(s, self.job)}
         efa = self.efa()  # asked before anything is made: --efa on for a type without it makes nothing
         if any(tag_value(i, GROUP_TAG) or i["Placement"].get("GroupName") == self.placement_group_name
                for i in found.values()):
@@ -179,16 +181,30 @@ class AWSProvider(Provider):
                      list(zip(instances, hosts)))
             return hosts
         except BaseException as e:
+            if missing:  # also those AWS started before it could answer (an interruption in between)
+                launched += [i for i in self.instance_ids_or_none() if i not in before and i not in launched]
             if started and not launched:
                 raise
             raise self.undo(launched, e, job_had_instances=existing > 0, tasks=missing) from e
 
+    def instance_ids_or_none(self) -> list[str]:
+        """The job's live instances, or none when AWS does not answer (the error at hand says why)."""
+        try:
+            return [i["InstanceId"] for i in tagged_instances(self.session, self.job)]
+        except SpeedrunError:
+            return []
+
     def undo(self, launched: list[str], error: BaseException, *, job_had_instances: bool,
              tasks: Sequence[int] = ()) -> BaseException:
-        """Terminate the instances this launch started after `error`, for these `tasks` (and their
-        public addresses, and the job's placement group when the job has no other instance); the
-        error to raise, naming them."""
-        what = str(error) if isinstance(error, SpeedrunError) else f"interrupted ({type(error).__name__})"
+        """Terminate the instances this launch started after `error` (a failure, or an interruption:
+        Ctrl-C, SIGTERM, SIGHUP), for these `tasks` (and their public addresses, and the job's
+        placement group when the job has no other instance); the error to raise, naming them.
+        MachinesLeft when AWS does not let them be terminated."""
+        interrupted = isinstance(error, KeyboardInterrupt)  # Ctrl-C, or a signal taken as one (its name)
+        if isinstance(error, SpeedrunError):
+            what = str(error)
+        else:
+            what = (str(error) or "Ctrl-C") if interrupted else f"interrupted ({type(error).__name__})"
         kind = type(error) if isinstance(error, SpeedrunError) else SpeedrunError  # AWSFailed stays exit 3
         try:
             terminate(self.session, launched)
@@ -196,13 +212,14 @@ class AWSProvider(Provider):
             if not job_had_instances:
                 self.delete_placement_group()
         except SpeedrunError as e2:
-            return (AWSFailed if isinstance(e2, AWSFailed) else kind)(
-                f"{what}; what it launched could not be removed ({e2}): terminate "
-                f"{', '.join(launched) or 'its instances'} yourself (speedrun down {self.job})")
-        if not launched or not isinstance(error, SpeedrunError):
+            return MachinesLeft(f"{what}; what it launched could not be removed ({e2}): "
+                                f"{', '.join(launched) or 'its instances'} may still run: `speedrun down {self.job}` "
+                                f"ends them", launched, getattr(e2, "exit_code", EXIT_BAD_INPUT))
+        if not launched or not (isinstance(error, SpeedrunError) or interrupted):
             return error
         log.info("terminated the instance(s) this launch started: %s", ", ".join(launched))
-        return kind(f"{what}; terminated the {len(launched)} instance(s) it launched ({', '.join(launched)})")
+        done = f"terminated the {len(launched)} instance(s) it launched ({', '.join(launched)})"
+        return KeyboardInterrupt(f"{what}; {done}") if interrupted else kind(f"{what}; {done}")
 
     def delete_placement_group(self) -> None:
         """Delete the job's placement group if it has one and it exists (once no instance is in it)."""
@@ -271,7 +288,7 @@ class AWSProvider(Provider):
         forgets it only after this returns), and running `speedrun down JOB` again finishes."""
         s = self.session
         again = f"the job's record is kept: run `speedrun down {self.job}` again"
-        instances = list(job_instances(s, self.job).values())
+        instances = tagged_instances(s, self.job)  # also one an interrupted launch did not give a task
         ids = [i["InstanceId"] for i in instances]
         if ids:
             log.info("terminating %s", ", ".join(ids))
