@@ -205,3 +205,43 @@ def test_an_interrupted_check_is_stopped_on_every_task(local_job):
     _, err = check.communicate(timeout=120)
     assert check.returncode == 130, err
     assert all(st.state != "running" for st in job.status("check"))
+
+
+def check_states(job) -> list[str]:
+    return [st.state for st in job.status("check")]
+
+
+@pytest.mark.slow
+def test_a_check_whose_client_was_killed_ends_at_its_timeout_and_the_next_one_runs(local_job):
+    job = local_job(num_tasks=2)
+    check = start("check", job.name, "--iters", "1000000", "--timeout", "600")  # hours of calls
+    wait_for(lambda: check_states(job) == ["running"] * 2, 120, "the check on both tasks")
+    check.kill()  # SIGKILL: nothing of the client's clean-up runs
+    check.communicate()
+    assert check_states(job) == ["running"] * 2  # left behind...
+    assert main(["check", job.name, "--size", "0.25", "--iters", "2"]) == 0  # ...and ended by the next check
+    assert read_check(job.run_dir)["iters"] == 2
+    # Killed again, with a short timeout: the processes end by themselves when it has passed.
+    check = start("check", job.name, "--iters", "1000000", "--timeout", "15")
+    wait_for(lambda: check_states(job) == ["running"] * 2, 120, "the check on both tasks")
+    check.kill()
+    check.communicate()
+    wait_for(lambda: "running" not in check_states(job), 120, "the check to end at its timeout")
+
+
+@pytest.mark.netns
+def test_a_host_lost_during_a_check_is_a_failed_check_and_its_leftovers_end_at_the_next(ssh_job, netns, capsys):
+    job = ssh_job(num_tasks=2)
+    check = start("check", job.name, "--iters", "1000000", "--timeout", "600")
+    try:
+        wait_for(lambda: check_states(job) == ["running"] * 2, 120, "the check on both tasks")
+        netns.set_link(netns.hosts[1], False)
+        _, err = check.communicate(timeout=200)
+    finally:
+        check.kill()
+        netns.set_link(netns.hosts[1], True)
+    last = err.strip().splitlines()[-1]
+    assert check.returncode == 3 and "Traceback" not in err and "training failed" not in err, err
+    assert last.startswith(f"speedrun: job {job.name}: the check failed: ") and "task 1" in last, last
+    assert main(["check", job.name, "--size", "0.25", "--iters", "2"]) == 0  # the cut host answers again
+    assert read_check(job.run_dir)["iters"] == 2 and "running" not in check_states(job)

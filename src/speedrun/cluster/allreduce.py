@@ -82,7 +82,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=20, help="timed calls per size")
     p.add_argument("--warmup", type=int, default=5, help="untimed calls per size first")
     p.add_argument("--id", default="", help="copied into the result (the caller's check of whose it is)")
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="end after this long even if unfinished: the caller's timeout, so that a check whose "
+                        "caller was killed or cut off does not keep the machines busy")
     args = p.parse_args(argv)
+    started = time.monotonic()
+
+    def on_time() -> None:
+        # Each process keeps its own clock (no collective that would perturb the timings): the first
+        # past the limit ends, and the others' next call fails on the closed connection.
+        if args.max_seconds is not None and time.monotonic() - started > args.max_seconds:
+            print(f"speedrun: the check ran past its {args.max_seconds:g} s (its caller's timeout): ending",
+                  flush=True)
+            os._exit(3)  # not a clean shutdown: that would wait in a collective the others may never join
 
     import torch
     import torch.distributed as dist
@@ -113,11 +125,13 @@ def main(argv: list[str] | None = None) -> int:
         wrong = int((x != expected).sum().item())
         x.zero_()  # sums of zeros from here: the timed calls cannot overflow to inf
         for _ in range(args.warmup):
+            on_time()
             dist.all_reduce(x)
         sync()
         dist.barrier()
         start = time.perf_counter()
         for _ in range(args.iters):
+            on_time()
             dist.all_reduce(x)
         sync()
         seconds = torch.tensor([(time.perf_counter() - start) / args.iters], dtype=torch.float64, device=device)

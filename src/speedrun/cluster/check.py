@@ -49,13 +49,15 @@ def check_job(job: Job, *, size_mb: float = 64.0, iters: int = 20, nproc_per_nod
     """Run the all-reduce benchmark on every task of `job` (largest message `size_mb` MiB, `iters`
     timed calls per size, `nproc_per_node` processes per task: default one per GPU) and return
     its result with the verdict, also written to <run_dir>/check.json. A task that fails or a host
-    that is lost raises as Job.wait does; no result raises SpeedrunError."""
+    that is lost raises as Job.wait does; no result raises SpeedrunError. The benchmark's processes
+    end by themselves once `timeout_s` seconds have passed, also when this process was killed or
+    lost their host; a check still running from then is stopped when the next one starts."""
     check_sizes(size_mb, iters)
     nproc = nproc_per_node if nproc_per_node is not None else job.devices_per_task()
     out = f"{job.run_dir}/{RESULT_FILE}"
     check_id = secrets.token_hex(8)  # the result must be this check's, never an earlier one's left there
     command = ["-m", "speedrun.cluster.allreduce", "--out", out, "--size", f"{size_mb:g}", "--iters", str(iters),
-               "--id", check_id]
+               "--id", check_id, "--max-seconds", f"{timeout_s:g}"]
     job.run_step(command, nproc_per_node=nproc, name=WINDOW, timeout_s=timeout_s)
     first = job.tasks[0]
     try:

@@ -30,6 +30,7 @@ def add_check_command(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    from speedrun.cluster.hosts import HostLost
     from speedrun.cluster.reopen import open_job
     from speedrun.cluster.states import telling_line
     from speedrun.cluster.task import CommandFailed
@@ -43,6 +44,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     except CommandFailed as e:  # the benchmark itself failed: what the log says why, exit 3 as a failed run
         why = telling_line(e.output.splitlines()) or "no message"
         print(f"speedrun: job {job.name}: the check failed (exit {e.status}): {why} (log: {e.log})", file=sys.stderr)
+        return EXIT_FAILED
+    except HostLost as e:  # a check, not a training run, failed: the others are stopped already
+        print(f"speedrun: job {job.name}: the check failed: {e}", file=sys.stderr)
         return EXIT_FAILED
     finally:
         job.close()

@@ -280,7 +280,11 @@ class Job:
         """Run `command` once on every task under torchrun (as launch does, in a window `name`,
         beside whatever the job runs) and wait for it, at most timeout_s seconds (then it is
         stopped: StepTimedOut; an interruption stops it too). CommandFailed (or HostLost) when a task fails, as
-        wait raises."""
+        wait raises. A `name` command still running from an earlier call (whose caller was killed, or
+        lost that host) is stopped first."""
+        earlier = [c for c in parallel(lambda t: t.command(name), self.tasks) if c is not None]
+        leftovers = [c for c, state in zip(earlier, parallel(lambda c: c.state(), earlier)) if state == "running"]
+        self.stop_commands(leftovers, f"a {name} left running by an earlier call")
         commands = self.launch(command, nproc_per_node=nproc_per_node, name=name, restart=True)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         try:
