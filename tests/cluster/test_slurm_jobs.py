@@ -206,7 +206,21 @@ def test_a_requeue_mid_run_resumes_at_the_step_it_stopped_with_every_loss_equal(
     assert results["cost_usd"] == pytest.approx(2 * 3.5 * (results["total_s"] + results["lost_s"]) / 3600)
     stopped = sorted((run / "task-0" / "cmds").glob("*-train"))[0] / "log"
     assert "on SIGTERM; the checkpoint holds this step" in stopped.read_text()
+    check_first_start_stopped(run)
     assert ls_lines(capsys, "requeued")[3].endswith(": COMPLETED, requeued 1 time")
+
+
+def check_first_start_stopped(run: Path) -> None:
+    """Every task of the job's first start says it stopped at a step (exit 75, and the step in its
+    log's last word), not that it failed, whatever torchrun made of the stop."""
+    from speedrun.cluster.states import telling_line
+
+    for task in ("task-0", "task-1"):
+        first = sorted((run / task / "cmds").glob("*-train"))[0]
+        lines = (first / "log").read_text().splitlines()
+        why = telling_line(lines)
+        assert (first / "status").read_text().strip() == "75", (task, lines[-20:])
+        assert why.startswith("stopped at step ") and lines[-1].startswith("stopped at step "), (task, lines[-20:])
 
 
 def attached_view(job_name: str, task: int, socket: str) -> str:
@@ -275,6 +289,7 @@ def test_the_time_limits_warning_stops_the_run_at_a_step_and_the_requeued_job_fi
     assert warned and len(warned) == len(results["recoveries"]) == len(results["interruptions"])
     assert all(r["resumed"] and r["relaunch_s"] > 0 for r in warned)
     assert "on a stop request" in batch.read_text()  # every rank stopped after the same step
+    check_first_start_stopped(run)
 
 
 def test_a_command_that_fails_before_any_checkpoint_is_not_requeued_and_ls_says_why(in_cluster, tmp_path, capsys):

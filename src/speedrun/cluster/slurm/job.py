@@ -161,7 +161,7 @@ class SlurmJob(Job):
         texts = {"job.sbatch": batch_script(job=self.name, name=name, nodes=n, run_dir=self.run_dir,
                                             cwd=self.tasks[0].cwd, config=self.config, python=self.python),
                  "node.sh": node_script(job=self.name, name=name, nodes=n, run_dir=self.run_dir,
-                                        env={**self.price_environment(), **(env or {})}),
+                                        env={**self.price_environment(), **(env or {})}, python=self.python),
                  f"{name}.command.sh": command_text(python=self.python, nodes=n, nproc_per_node=nproc,
                                                     join_timeout_s=math.ceil(join_timeout_s), command=text),
                  f"{name}.resume.sh": command_text(python=self.python, nodes=n, nproc_per_node=nproc,

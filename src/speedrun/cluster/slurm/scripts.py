@@ -33,6 +33,7 @@ import shlex
 from speedrun.cluster.job import interface_script
 from speedrun.cluster.slurm.config import SlurmConfig
 from speedrun.cluster.tmux import SEQ_DIGITS
+from speedrun.errors import EXIT_RESUMABLE
 
 COMPLETE = ("finished", "target_reached")  # results.json statuses of a run with nothing left to train
 
@@ -148,10 +149,13 @@ exit "$s"
 """
 
 
-def node_script(*, job: str, name: str, nodes: int, run_dir: str, env: dict[str, str]) -> str:
+def node_script(*, job: str, name: str, nodes: int, run_dir: str, env: dict[str, str], python: str = "python3") -> str:
     """What each node's task runs: a fresh command directory for the task (SLURM_NODEID), the
     command's text (`<name>.resume.sh` when the start resumes), and the command with its output
-    in `log` and its exit status in `status`."""
+    in `log` and its exit status in `status`. A run that stopped at a step (results.json, written
+    during this command, says `stopped`) is exit 75 with "stopped at step N" as the log's last
+    line on every node, whatever torchrun made of it: its agent reports workers that exit 75, or a
+    signal it was sent itself (a requeue, preemption), as its own failure, exit 1."""
     environment = node_environment(job=job, nodes=nodes, run_dir=run_dir) + \
         "".join(f"export {k}={q(v)}\n" for k, v in env.items())
     pattern = "[0-9]" * SEQ_DIGITS
@@ -187,6 +191,14 @@ while :; do
     wait $!; s=$?
     kill -0 $! 2>/dev/null || break
 done
+if [ "$s" != 0 ] && [ "$run_dir/results.json" -nt "$d/command.sh" ]; then
+    step=$({q(python)} -c 'import json, sys; r = json.load(open(sys.argv[1]))
+print(r["steps"] if r.get("status") == "stopped" else "")' "$run_dir/results.json" 2>/dev/null)
+    if [ -n "$step" ]; then
+        echo "stopped at step $step: the run's checkpoint holds it (the command's own exit status was $s)" >> "$d/log"
+        s={EXIT_RESUMABLE}
+    fi
+fi
 echo "$s" > "$d/status"
 exit "$s"
 """
