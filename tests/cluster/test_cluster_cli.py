@@ -1,13 +1,16 @@
 """`speedrun launch | ls | logs | kill` from the command line (in this process: same code, no startup)."""
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
+from pathlib import Path
 
 import pytest
 
 from cli_run import speedrun, wait_for
 from speedrun.cli import main
-from speedrun.cluster.states import REASON_CHARS, telling_line
+from speedrun.cluster.states import REASON_CHARS, ReportFold, telling_line
 
 
 @pytest.mark.slow
@@ -204,3 +207,76 @@ def test_a_long_reason_is_cut_in_the_middle_keeping_what_says_why():
     reason = telling_line(["started", line])
     assert len(reason) == REASON_CHARS and reason.startswith("/ddd") and "..." in reason
     assert reason.endswith("/command.sh: line 1: nosuchprogram: command not found")
+
+
+# torchrun's own reports, as it printed them here (torch 2.x): a node whose surviving rank failed
+# after its peer died (the rank's one line, then torchrun's failure log line, traceback and table),
+# and a node whose torchrun got SIGTERM (its warning, the worker's last line, its traceback).
+LOGS = Path(__file__).parent / "logs"
+SURVIVOR_LOG = (LOGS / "torchrun-survivor.log").read_text()
+SIGNALLED_LOG = (LOGS / "torchrun-signalled.log").read_text()
+
+
+def test_torchruns_report_folds_into_one_line_after_the_ranks_last_word():
+    fold = ReportFold("/runs/r/task-0/cmds/000001-train/log")
+    out = (fold.feed(SURVIVOR_LOG) + fold.flush()).splitlines()
+    assert out[-2].startswith("speedrun: rank 0: training failed: a collective failed: rank 1 ")
+    assert out[-1] == ("torchrun: local rank 0 (pid 7684) ended with exit code 3; torchrun's report is in "
+                       "/runs/r/task-0/cmds/000001-train/log")
+    assert len(out) == 3 and "Traceback" not in "".join(out)
+    # Fed line by line as `logs -f` does, with what a later start appends after the report: the same.
+    fold = ReportFold("log")
+    pieces = [fold.feed(line + "\n") for line in SURVIVOR_LOG.splitlines()] + [fold.feed("stopped at step 9")]
+    assert "".join(pieces).splitlines()[-1].startswith("torchrun: local rank 0 (pid 7684)")
+    assert fold.flush() == "stopped at step 9"
+
+
+def test_a_signal_torchrun_got_folds_its_traceback_and_keeps_the_workers_last_lines():
+    fold = ReportFold("log")
+    out = (fold.feed(SIGNALLED_LOG) + fold.flush()).splitlines()
+    assert out[0] == "training" and out[3] == "stopped at step 12 (epoch 1) on SIGTERM; the checkpoint holds this step"
+    assert out[-1] == "torchrun: stopped by SIGTERM, which it passed on to its processes; torchrun's report is in log"
+    assert len(out) == 5 and "Traceback" not in "".join(out)
+    # A worker killed by a signal: its exit code is negative, said by the signal's name.
+    fold = ReportFold("log")
+    line = ("E1205 17:21:01.230000 7423 site-packages/torch/distributed/elastic/multiprocessing/api.py:1002] failed "
+            "(exitcode: -9) local_rank: 0 (pid: 7685) of binary: /usr/bin/python3")
+    assert fold.feed(line + "\n") == \
+        "torchrun: local rank 0 (pid 7685) ended with exit code -9 (SIGKILL); torchrun's report is in log\n"
+
+
+def worker_pid(job: str, rank: int) -> int | None:
+    """The pid of a training process (not torchrun) of a local job's rank, if it runs."""
+    for d in Path("/proc").iterdir():
+        try:
+            env = (d / "environ").read_bytes().split(b"\0")
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"SPEEDRUN_JOB={job}".encode() in env and f"RANK={rank}".encode() in env and \
+                b"torch.distributed.run" not in argv and any(v.startswith(b"LOCAL_RANK=") for v in env):
+            return int(d.name)
+    return None
+
+
+@pytest.mark.slow
+def test_a_surviving_ranks_line_is_the_last_word_of_its_log_and_ls(local_job, capsys):
+    job = local_job(num_tasks=2)
+    job.launch(["-m", "speedrun", "train", "--recipe", "tiny", "--device", "cpu", "--epochs", "8", "--out",
+                job.run_dir], env={"OMP_NUM_THREADS": "1"})
+    wait_for(lambda: Path(job.run_dir, "steps.jsonl").exists(), 300, "the first training steps")
+    os.kill(wait_for(lambda: worker_pid(job.name, 1), 60, "rank 1's process"), signal.SIGKILL)
+    wait_for(lambda: all(s.state != "running" for s in job.status()), 120, "both tasks to end")
+    for flags in ([], ["--follow"]):
+        assert main(["logs", job.name, "0", *flags]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert lines[-2].startswith("speedrun: rank 0: training failed: a collective failed: rank 1 "), lines[-3:]
+        assert "probably died" in lines[-2] and "Traceback" not in "\n".join(lines)
+        assert lines[-1].startswith("torchrun: local rank 0 (pid ") and lines[-1].endswith("/log"), lines[-1]
+    assert main(["logs", job.name, "1"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("torchrun: local rank 0 (pid ")
+    assert main(["logs", job.name, "0", "--raw"]) == 0  # the log keeps it all
+    assert "ChildFailedError" in capsys.readouterr().out
+    assert main(["ls", job.name]) == 0
+    (why,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith(f"  {job.name}: ")]
+    assert "task 0 failed (exit 1): speedrun: rank 0: training failed: a collective failed: rank 1" in why, why

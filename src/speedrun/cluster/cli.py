@@ -69,6 +69,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("task", nargs="?", type=TASK_INDEX, help="only this task")
     p.add_argument("-f", "--follow", action="store_true", help="keep printing until the command ends")
     p.add_argument("--window", type=given, help="whose log (default: the job's launched command, train; also setup...)")
+    p.add_argument("--raw", action="store_true",
+                   help="the log as it is: torchrun's report of how a node ended in full, not one line naming the log")
     p.set_defaults(func=cmd_logs)
 
     p = sub.add_parser("kill", help="stop a job: kill its tmux sessions (logs and run directory stay) and its "
@@ -376,7 +378,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
     if args.task is not None and not 0 <= args.task < len(job):
         raise SpeedrunError(f"job {args.name} has tasks 0..{len(job) - 1}, not {args.task}")
     window = args.window or registry.load(args.name).window
-    unreachable = job.logs(window, follow=args.follow, tasks=None if args.task is None else [args.task])
+    unreachable = job.logs(window, follow=args.follow, tasks=None if args.task is None else [args.task], raw=args.raw)
     for line in unreachable:  # the others' logs came; a host out of reach is a lost one (exit 3)
         print(f"speedrun: {line}", file=sys.stderr)
     return EXIT_FAILED if unreachable else 0

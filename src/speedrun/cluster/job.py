@@ -29,7 +29,7 @@ from speedrun.cluster.provider import Provider
 from speedrun.cluster.tensorboard import TensorBoard, start_tensorboard
 from speedrun.cluster.task import (Command, CommandFailed, CommandLost, Result, Task, check_name, tmux_message,
                                    until_lost)
-from speedrun.cluster.states import STOPPED_BY, TaskStatus, telling_line
+from speedrun.cluster.states import STOPPED_BY, ReportFold, TaskStatus, telling_line
 from speedrun.cluster.utils import REACH_TIMEOUT_S, parallel
 from speedrun.errors import EXIT_FAILED, SpeedrunError, last_line
 from speedrun.money import PRICE_ENV, Price
@@ -441,10 +441,11 @@ class Job:
         return [line for line in parallel(one, self.tasks) if line]
 
     def logs(self, name: str = "train", *, follow: bool = False, out: TextIO | None = None,
-             tasks: Sequence[int] | None = None, until: threading.Event | None = None) -> list[str]:
+             tasks: Sequence[int] | None = None, until: threading.Event | None = None, raw: bool = False) -> list[str]:
         """Write the `name` command's log of each task to `out` (default stdout), lines prefixed with
         `[i] ` when there are several tasks; with follow, keep writing until the commands end, or
-        until `until` is set (a host that went silent never ends its stream).
+        until `until` is set (a host that went silent never ends its stream). torchrun's report of
+        how a node ended is one line naming the log (states.ReportFold) unless `raw`.
         Returns a line for each task that could not be reached (its log is not written; none: all were)."""
         out = out or sys.stdout
         chosen = [self.tasks[i] for i in tasks] if tasks is not None else self.tasks
@@ -457,9 +458,8 @@ class Job:
         commands = parallel(find, chosen)
         lock = threading.Lock()
 
-        def emit(t: Task, data: bytes) -> None:
+        def emit(t: Task, text: str) -> None:
             prefix = f"[{t.index}] " if len(chosen) > 1 else ""
-            text = data.decode("utf-8", errors="replace")
             with lock:
                 for line in text.splitlines(keepends=True):
                     out.write(prefix + line)
@@ -470,16 +470,22 @@ class Job:
             if isinstance(c, SpeedrunError):
                 return
             if c is None:
-                emit(t, f"(no command named {name!r} on task {t.name})\n".encode())
-            elif not follow:
-                emit(t, c.output().encode())
-            else:
-                p = t.host.start_shell(tmux.follow_log(c.dir))
-                if until is not None:
-                    threading.Thread(target=end_when, args=(until, p), daemon=True).start()
-                for line in p.stdout:
-                    emit(t, line)
-                p.wait()
+                emit(t, f"(no command named {name!r} on task {t.name})\n")
+                return
+            fold = None if raw else ReportFold(c.log_path)
+            if not follow:
+                text = c.output()
+                emit(t, text if fold is None else fold.feed(text) + fold.flush())
+                return
+            p = t.host.start_shell(tmux.follow_log(c.dir))
+            if until is not None:
+                threading.Thread(target=end_when, args=(until, p), daemon=True).start()
+            for line in p.stdout:
+                text = line.decode("utf-8", errors="replace")
+                emit(t, text if fold is None else fold.feed(text))
+            p.wait()
+            if fold is not None:
+                emit(t, fold.flush())
 
         parallel(one, list(zip(chosen, commands)))
         return [f"task {t.index} ({t.host.name}) is unreachable: {c}" for t, c in zip(chosen, commands)

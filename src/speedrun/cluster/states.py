@@ -7,6 +7,7 @@ that says which task ended first and why.
 from __future__ import annotations
 
 import re
+import signal
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -44,6 +45,68 @@ TORCHRUN_REPORT = re.compile(r"\] failed \(exitcode: -?\d+\) local_rank: \d+")
 # trainer's header line ("speedrun 0.1.0: recipe ...").
 NOISE_PATTERNS = (re.compile(r"\[c10d\] The hostname of the client socket cannot be retrieved"),
                   re.compile(r"^speedrun \d\S*: recipe "))
+
+
+# torchrun's lines that start its own report of how a node ended: the agent's log line for a worker
+# that failed (then its traceback and failure table), and the one for a signal it got itself (then
+# the workers' last lines, as it passes the signal on, then its traceback).
+WORKER_FAILED = re.compile(r"\] failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
+DEATH_SIGNAL = re.compile(r"\] Received (?:Signals\.)?(SIG[A-Z]+|\d+) death signal")
+
+
+class ReportFold:
+    """Folds torchrun's own report of how a node ended (its traceback and failure table, dozens of
+    lines after the processes' last words) into one line naming the log file, which keeps it all:
+    what `speedrun logs` and `launch --follow` print for one task's log, fed in pieces as it grows."""
+
+    def __init__(self, log: str):
+        self.log, self.pending, self.signal = log, "", ""
+        self.state = "pass"  # pass; report (a worker failed: to the table's closing rule); signalled; trace
+        self.rules = 0  # rules of "=" seen in the failure table
+
+    def feed(self, text: str) -> str:
+        """The text to print for the next piece of the log (complete lines; the rest waits)."""
+        self.pending += text
+        *lines, self.pending = self.pending.split("\n")
+        return "".join(self.line(ln) for ln in lines)
+
+    def flush(self) -> str:
+        """What is left once the log has ended (a last line without its newline)."""
+        rest, self.pending = self.pending, ""
+        return self.line(rest).removesuffix("\n") if rest else ""
+
+    def line(self, line: str) -> str:
+        note = f"; torchrun's report is in {self.log}\n"
+        if self.state == "report":
+            if line.strip() and not line.strip().strip("="):
+                self.rules += 1
+                if self.rules == 2:  # the table's closing rule: what follows is the log again
+                    self.state = "pass"
+            return ""
+        if self.state == "trace":
+            if "SignalException: " in line and not line.startswith(" "):  # the traceback's last line
+                self.state = "pass"
+            return ""
+        if m := WORKER_FAILED.search(line):
+            code = int(m.group(1))
+            how = f"exit code {code}" + (f" ({signal_name(-code)})" if code < 0 else "")
+            self.state, self.rules = "report", 0
+            return f"torchrun: local rank {m.group(2)} (pid {m.group(3)}) ended with {how}{note}"
+        if m := DEATH_SIGNAL.search(line):
+            sig = m.group(1)
+            self.state, self.signal = "signalled", signal_name(int(sig)) if sig.isdigit() else sig
+            return line + "\n"
+        if self.state == "signalled" and line.startswith("Traceback (most recent call last)"):
+            self.state = "trace"
+            return f"torchrun: stopped by {self.signal}, which it passed on to its processes{note}"
+        return line + "\n"
+
+
+def signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def telling_line(lines: Sequence[str], *, killed: bool = False) -> str | None:

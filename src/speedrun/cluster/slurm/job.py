@@ -31,7 +31,7 @@ from speedrun.cluster import registry, tmux
 from speedrun.cluster.hosts import LocalHost
 from speedrun.cluster.job import (JOIN_TIMEOUT_S, Job, Launch, StepTimedOut, check_join_timeout,
                                   check_nproc_per_node)
-from speedrun.cluster.states import TaskStatus, telling_line
+from speedrun.cluster.states import ReportFold, TaskStatus, telling_line
 from speedrun.cluster.slurm.config import SlurmConfig
 from speedrun.cluster.slurm.provider import SlurmProvider
 from speedrun.cluster.slurm.queue import SlurmJobState, active, cancel, job_state, submit
@@ -314,7 +314,7 @@ class SlurmJob(Job):
         return []
 
     def logs(self, name: str = "train", *, follow: bool = False, out: TextIO | None = None,
-             tasks: Sequence[int] | None = None, until: threading.Event | None = None) -> list[str]:
+             tasks: Sequence[int] | None = None, until: threading.Event | None = None, raw: bool = False) -> list[str]:
         """Write each task's newest `name` log (see Job.logs); with follow, keep writing as it grows,
         from one start to the next after a requeue, until the Slurm job has ended or `until` is set."""
         out = out or sys.stdout
@@ -329,13 +329,15 @@ class SlurmJob(Job):
                 out.flush()
 
         def one(i: int) -> None:
-            d, offset = None, 0
+            d, offset, fold = None, 0, None
             while True:
                 newest = self.latest(i, name)
                 if newest is not None and newest != d:
                     if d is not None:
-                        emit(i, f"(started again after a requeue: {newest.name})\n")
+                        emit(i, (fold.flush() if fold is not None else "") +
+                             f"(started again after a requeue: {newest.name})\n")
                     d, offset = newest, 0
+                    fold = None if raw else ReportFold(str(d / "log"))
                 if d is None and not follow:
                     emit(i, f"(no command named {name!r} on task {self.tasks[i].name})\n")
                     return
@@ -346,16 +348,19 @@ class SlurmJob(Job):
                         chunk = f.read()
                     offset += len(chunk)
                     if chunk:
-                        emit(i, chunk.decode("utf-8", errors="replace"))
+                        text = chunk.decode("utf-8", errors="replace")
+                        emit(i, text if fold is None else fold.feed(text))
                 if not follow or (until is not None and until.is_set()):
-                    return
+                    break
                 if d is None or ended:
                     state = self.slurm_state()
                     if (state is None or state.ended) and self.latest(i, name) == d:
-                        return
+                        break
                 # A log on a shared file system has no change notice to wait on: read it twice a second,
                 # and ask Slurm (waiting for the job, or for the next start) at its modest rate.
                 time.sleep(POLL_S if d is None or ended else 0.5)
+            if fold is not None:
+                emit(i, fold.flush())
 
         threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in chosen]
         for t in threads:
