@@ -66,8 +66,11 @@ class SlurmCluster:
     """
 
     def __init__(self, nodes: int = 3, workdir: str | os.PathLike | None = None, partition: str = "debug",
-                 cpus_per_node: int = 1, slurmd_timeout_s: int = 10, cred_expire_s: int = 10):
+                 cpus_per_node: int = 1, slurmd_timeout_s: int = 10, cred_expire_s: int = 10,
+                 urgent_partition: str | None = None):
         self.num_nodes, self.partition, self.cpus_per_node = nodes, partition, cpus_per_node
+        # A second partition over the same nodes whose jobs preempt the first's (requeued), if named.
+        self.urgent_partition = urgent_partition
         self.slurmd_timeout_s = slurmd_timeout_s
         # Slurm holds a requeued job for its credentials' lifetime (120 s by default): short here,
         # so that the requeue tests wait seconds, not minutes, for the job to start again.
@@ -208,8 +211,16 @@ ReturnToService=2
 JobRequeue=1
 SlurmdTimeout={self.slurmd_timeout_s}
 {nodes}PartitionName={self.partition} Nodes={','.join(self.node_names)} Default=YES MaxTime=INFINITE State=UP
-""")
+{self._preemption()}""")
         (d / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\n")
+
+    def _preemption(self) -> str:
+        """slurm.conf's lines for the urgent partition, whose jobs preempt the other's by requeueing them."""
+        if self.urgent_partition is None:
+            return ""
+        return (f"PreemptType=preempt/partition_prio\nPreemptMode=REQUEUE\n"
+                f"PartitionName={self.urgent_partition} Nodes={','.join(self.node_names)} PriorityTier=2 "
+                f"PreemptMode=OFF MaxTime=INFINITE State=UP\n")
 
     def _start(self, name: str, namespace: str, argv: list[str]) -> None:
         log = open(self.dir / f"{name}.out", "ab")

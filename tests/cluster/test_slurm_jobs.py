@@ -198,6 +198,7 @@ def test_a_requeue_mid_run_resumes_at_the_step_it_stopped_with_every_loss_equal(
     results = check_resumed_exactly(run, reference)
     (recovery,) = results["recoveries"]
     assert recovery["slurm_job"] == int(job_id) and recovery["resumed"] and recovery["requeue"] == 1
+    assert recovery["kind"] == "requeue" and "scontrol requeue" in recovery["reason"], recovery
     # Two allocated nodes at the price given at launch (the launch that reconnected gave none): the
     # cost counts the time the requeue lost.
     price = results["price"]
@@ -286,6 +287,7 @@ def test_the_time_limits_warning_stops_the_run_at_a_step_and_the_requeued_job_fi
     assert steps == list(range(1, results["steps"] + 1))
     assert results["interruptions"] and all(i["steps_redone"] == 0 for i in results["interruptions"])
     warned = [r for r in results["recoveries"] if r["reason"].startswith("the time limit was near")]
+    assert all(r["kind"] == "time_limit" for r in warned)
     assert warned and len(warned) == len(results["recoveries"]) == len(results["interruptions"])
     assert all(r["resumed"] and r["relaunch_s"] > 0 for r in warned)
     assert "on a stop request" in batch.read_text()  # every rank stopped after the same step

@@ -34,7 +34,7 @@ from speedrun.cluster.job import (JOIN_TIMEOUT_S, Job, Launch, StepTimedOut, che
 from speedrun.cluster.states import ReportFold, TaskStatus, telling_line
 from speedrun.cluster.slurm.config import SlurmConfig
 from speedrun.cluster.slurm.provider import SlurmProvider
-from speedrun.cluster.slurm.queue import SlurmJobState, active, cancel, job_state, submit
+from speedrun.cluster.slurm.queue import SlurmJobState, active, cancel, job_state, lost_nodes, submit
 from speedrun.cluster.slurm.scripts import array_script, batch_script, command_text, node_script, step_script
 from speedrun.cluster.slurm.submit import check_request
 from speedrun.cluster.task import CommandFailed, Result, Task, check_name, status_code, tmux_message
@@ -48,26 +48,29 @@ POLL_S = 2.0  # how often wait and logs -f ask Slurm and the run directory, seco
 def make_slurm_job(name: str, num_tasks: int, provider: SlurmProvider, *, run_root: str | None, run_name: str,
                    restart: bool, python: str, setup: str | None, sync: str | os.PathLike | None,
                    config_dir: str | os.PathLike | None = None) -> SlurmJob:
-    """make_job for provider="slurm": the request checked with Slurm first (nothing is made for one
-    it refuses); then the job found again when its Slurm job is pending or running (reconnected;
-    with `restart` that Slurm job is cancelled instead), else a new run directory under `run_root`
-    (default `runs`, from the current directory: a path the nodes see on the shared file system)."""
+    """make_job for provider="slurm": the job found again when its Slurm job is pending or running
+    (reconnected), else the request checked with Slurm (nothing is made for one it refuses) and,
+    with `restart`, that Slurm job cancelled; then a new run directory under `run_root` (default
+    `runs`, from the current directory: a path the nodes see on the shared file system)."""
     if setup is not None or sync is not None:
         raise SpeedrunError("the slurm provider takes no setup or sync (--setup, --sync): the nodes see your files "
                             "on the cluster's shared file system, so launch from your working tree there and put "
                             "setup steps in the command")
-    check_request(provider.config, num_tasks)
     old = registry.recorded(name, config_dir)
+    live = None  # the job's Slurm job, queued or running
     if old is not None and old.provider.get("kind") == "slurm" and old.num_tasks == num_tasks:
         job = slurm_job(name, num_tasks, provider, old.run_dir, python=old.python, reconnected=True)
         state = job.slurm_state()
         if state is not None and not state.ended:
-            if not restart:
+            if not restart:  # Slurm took the request already: what it can run now (a node lost) is no matter
                 log.info("job %s is queued or running (%s, %s); reconnected without changing it", name,
                          state.describe(), job.run_dir)
                 return job
-            log.info("job %s: cancelling %s to start it again", name, state.describe())
-            job.kill()
+            live = job, state
+    check_request(provider.config, num_tasks)
+    if live is not None:
+        log.info("job %s: cancelling %s to start it again", name, live[1].describe())
+        live[0].kill()
     root = os.path.abspath(os.path.expanduser(run_root or "runs"))
     r = LocalHost().shell(tmux.allocate_run_dir(root, name, run_name))
     fields = tmux.parse_fields(r.text)
@@ -122,6 +125,11 @@ class SlurmJob(Job):
             return None
         state = job_state(job_id)
         line = state.describe() if state is not None else f"slurm job {job_id}: ended (Slurm no longer lists it)"
+        nodes = _read(self.slurm_dir / "nodes")  # those of its last start
+        if state is not None and state.waiting and nodes:
+            lost = lost_nodes(nodes)
+            if lost:  # why it waits after a start: a node it ran on is gone
+                line += f"; lost since its last start: {', '.join(lost)}"
         if state is None or (state.ended and state.state != "COMPLETED"):
             said = [ln for ln in _tail(self.slurm_dir / f"slurm-{job_id}.out") if ln.startswith("speedrun: ")]
             if said:

@@ -17,6 +17,9 @@ from speedrun.errors import SpeedrunError
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL",
          "DEADLINE", "SPECIAL_EXIT")
 WAITING = ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD", "SUSPENDED", "CONFIGURING")
+# In `scontrol show node -o`, the state of a node lost to a job: down, failed, or not responding (a
+# drained node is one an administrator set aside, not lost).
+LOST_STATES = r" State=[A-Z_+]*(DOWN|FAIL|NOT_RESPONDING)"
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,19 @@ def job_state(job_id: str) -> SlurmJobState | None:
     return SlurmJobState(job_id=job_id, state=_field(out, "JobState", "UNKNOWN"), reason=_field(out, "Reason"),
                          exit_code=int(code) if code.isdigit() else 0, signal=int(sig) if sig.isdigit() else 0,
                          restarts=int(_field(out, "Restarts", "0") or 0), nodes=_field(out, "NodeList"))
+
+
+def lost_nodes(nodes: str) -> list[str]:
+    """Of `nodes` (a Slurm host list: "node[1-2]"), those Slurm says are down, failed or not
+    responding, each with its state and Slurm's reason: "node2 DOWN+NOT_RESPONDING (Not responding)"."""
+    out = run_client(["scontrol", "show", "node", "-o", nodes], what=f"ask Slurm about nodes {nodes}")
+    lost = []
+    for line in out.splitlines():
+        if re.search(LOST_STATES, line):
+            reason = re.search(r"(?:^|\s)Reason=(.*?)(?: \[[^\]]*\])?(?=\s+\w+=|$)", line)
+            lost.append(f"{_field(line, 'NodeName')} {_field(line, 'State')}" +
+                        (f" ({reason.group(1)})" if reason and reason.group(1) else ""))
+    return lost
 
 
 def cancel(job_id: str) -> None:

@@ -7,7 +7,9 @@ task runs (`node_script`), both written to `<run_dir>/slurm/` on the shared file
         <name>.command.sh   the command, torchrun and all (the first start)
         <name>.resume.sh    the same with --resume (a requeued start, once a checkpoint exists)
         slurm-<jobid>.out   the batch script's own output
-        requeued            between a requeue and the next start: when and why
+        requeued            between a requeue and the next start: when, what kind and why
+        nodes               the last start's nodes (for the next start: was one lost?)
+        output_size         where the last start's part of slurm-<jobid>.out begins
 
 Each start of the job (the first and every requeue) gives each task a fresh numbered command
 directory, `<run_dir>/task-<i>/cmds/<NNNNNN>-<name>/` (command.sh, node, log, status), as the
@@ -22,9 +24,11 @@ How a start ends (the batch script decides, on the first node):
 - otherwise (a failure before any checkpoint: most likely the command itself) the job fails.
 A requeued start resumes from the checkpoint and first appends what happened to recoveries.jsonl
 (which the trainer copies into results.json): when the job was requeued (`at`) and warned
-(`warned_at`, null for none), why, and how long Slurm took to start it again (`relaunch_s`, from
-the requeue to this start; null when Slurm itself requeued it). At most `max_requeues` starts
-after the first.
+(`warned_at`, null for none), what kind of requeue it was (`kind`: time_limit, stopped or failed
+when speedrun requeued it; preemption or requeue as slurmstepd's line in the job's output says;
+node_failure when a node of the last start is down now, named in `reason`), why, and how long
+Slurm took to start it again (`relaunch_s`, from the requeue to this start; null when Slurm
+itself requeued it). At most `max_requeues` starts after the first.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ import shlex
 
 from speedrun.cluster.job import interface_script
 from speedrun.cluster.slurm.config import SlurmConfig
+from speedrun.cluster.slurm.queue import LOST_STATES
 from speedrun.cluster.tmux import SEQ_DIGITS
 from speedrun.errors import EXIT_RESUMABLE
 
@@ -79,6 +84,7 @@ slurm_dir="$run_dir/slurm"
 python={q(python)}
 max_requeues={config.max_requeues}
 restarts=${{SLURM_RESTART_COUNT:-0}}
+output="$slurm_dir/slurm-$SLURM_JOB_ID.out"
 say() {{ printf 'speedrun: %s\\n' "$*"; }}
 now() {{ date +%s.%N; }}
 run_status() {{  # results.json's status (empty without one)
@@ -94,21 +100,45 @@ if [ "$restarts" -gt "$max_requeues" ]; then
     say "Slurm started this job $restarts times after the first, more than max_requeues ($max_requeues): giving up"
     exit 3
 fi
+lost_nodes() {{  # the last start's nodes that Slurm now says are down or failing: "node2 (DOWN+NOT_RESPONDING)"
+    [ -s "$slurm_dir/nodes" ] || return 0
+    scontrol show node -o "$(cat "$slurm_dir/nodes")" 2>/dev/null | grep -E '{LOST_STATES}' |
+        sed -E 's/^NodeName=([^ ]+).* State=([^ ]+).*/\\1 (\\2)/' | paste -sd, - | sed 's/,/, /g'
+}}
+slurm_said() {{  # why slurmstepd ended the last start, in the output since: "*** JOB 7 ... DUE TO PREEMPTION ***"
+    tail -c +"$(( $(cat "$slurm_dir/output_size" 2>/dev/null || echo 0) + 1 ))" "$output" 2>/dev/null |
+        grep -oE 'DUE TO [A-Z ]*[A-Z]' | tail -n 1
+}}
 if [ "$restarts" -gt 0 ]; then
-    # What requeued it: speedrun (its note says when and why) or Slurm itself (a node failed...).
-    at=null; warned_at=null; relaunch=null
-    why="Slurm requeued the job (a node failed, or it was preempted or requeued by hand)"
+    # What requeued it: speedrun (its note says when, what kind and why), or Slurm: slurmstepd's
+    # line says preemption or a requeue; a node of the last start that is down now, a node failure.
+    at=null; warned_at=null; relaunch=null; kind=requeue
+    why="Slurm requeued the job"
     if [ -s "$slurm_dir/requeued" ]; then
-        read -r at warned_at why < "$slurm_dir/requeued"
+        read -r at warned_at kind why < "$slurm_dir/requeued"
         relaunch=$(awk -v a="$at" -v b="$(now)" 'BEGIN {{ printf "%.3f", b - a }}')
+    else
+        case "$(slurm_said)" in
+            *PREEMPTION) kind=preemption; why="Slurm preempted the job (requeued)";;
+            *"JOB REQUEUE") why="requeued (scontrol requeue, by hand or by an administrator)";;
+            *"NODE FAILURE") kind=node_failure; why="Slurm requeued the job after a node failure";;
+        esac
+    fi
+    lost=$(lost_nodes)
+    if [ -n "$lost" ]; then
+        kind=node_failure; why="node(s) lost: $lost; $why"
     fi
     resumed=false; checkpoint && resumed=true
-    fields='"at": %s, "reason": "%s", "replaced": {{}}, "resumed": %s, "relaunch_s": %s, "price_per_hour": null'
-    printf "{{$fields, \\"slurm_job\\": %s, \\"requeue\\": %s, \\"warned_at\\": %s}}\\n" "$at" "$why" "$resumed" \\
-        "$relaunch" "$SLURM_JOB_ID" "$restarts" "$warned_at" >> "$run_dir/recoveries.jsonl"
+    fields='"at": %s, "kind": "%s", "reason": "%s", "replaced": {{}}, "resumed": %s, "relaunch_s": %s'
+    printf "{{$fields, \\"price_per_hour\\": null, \\"slurm_job\\": %s, \\"requeue\\": %s, \\"warned_at\\": %s}}\\n" \\
+        "$at" "$kind" "$why" "$resumed" "$relaunch" "$SLURM_JOB_ID" "$restarts" "$warned_at" \\
+        >> "$run_dir/recoveries.jsonl"
     rm -f "$slurm_dir/requeued"
     say "start $restarts after a requeue ($why)"
 fi
+# What the next start looks at to say why it came: this start's nodes and where its output begins.
+echo "$SLURM_JOB_NODELIST" > "$slurm_dir/nodes"
+stat -c %s "$output" > "$slurm_dir/output_size" 2>/dev/null
 rm -f "$run_dir/stop"  # a request the last start did not get to handle
 
 {RENDEZVOUS}export SPEEDRUN_RESUME=; checkpoint && SPEEDRUN_RESUME=1
@@ -130,12 +160,12 @@ done
 status=$(run_status)
 case "$status" in {'|'.join(COMPLETE)}) say "the run is complete ($status)"; exit 0;; esac
 [ "$s" = 0 ] && exit 0
-if [ -n "$warned" ]; then why="the time limit was near (Slurm's warning signal): stopped at a step"
-elif [ "$status" = stopped ]; then why="the run stopped at a step"
-else why="the step failed (exit $s)"
+if [ -n "$warned" ]; then kind=time_limit; why="the time limit was near (Slurm's warning signal): stopped at a step"
+elif [ "$status" = stopped ]; then kind=stopped; why="the run stopped at a step"
+else kind=failed; why="the step failed (exit $s)"
 fi
 if [ "$restarts" -lt "$max_requeues" ] && {{ [ -n "$warned" ] || [ "$status" = stopped ] || checkpoint; }}; then
-    printf '%s %s %s\\n' "$(now)" "${{warned:-null}}" "$why" > "$slurm_dir/requeued"
+    printf '%s %s %s %s\\n' "$(now)" "${{warned:-null}}" "$kind" "$why" > "$slurm_dir/requeued"
     say "$why; requeueing ($((restarts + 1)) of at most $max_requeues), to resume from the checkpoint"
     scontrol requeue "$SLURM_JOB_ID" && exit 0
     say "scontrol requeue failed: the job ends here"
