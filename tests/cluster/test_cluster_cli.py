@@ -93,6 +93,7 @@ def test_bad_input_is_one_line_and_exit_status_2(argv, message, capsys):
     (["--provider", "aws", "--vpc-cidr", "10.0.0.0/8"], "vpc_cidr 10.0.0.0/8: give an IPv4 range from /16 to /24"),
     (["--provider", "aws", "--vpc-cidr", "ten"], "bad vpc_cidr 'ten'"),
     (["--provider", "aws", "--identity", "/k"], "--identity does not apply to the aws provider"),
+    (["--provider", "aws", "--instance-type", "c5.large", "--efa", "on"], "--efa on: c5.large has no EFA; use a type"),
 ])
 def test_options_that_do_not_apply_are_refused_offline_before_anything_is_asked(flags, message, capsys, monkeypatch,
                                                                                 tmp_path):
@@ -280,3 +281,11 @@ def test_a_surviving_ranks_line_is_the_last_word_of_its_log_and_ls(local_job, ca
     assert main(["ls", job.name]) == 0
     (why,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith(f"  {job.name}: ")]
     assert "task 0 failed (exit 1): speedrun: rank 0: training failed: a collective failed: rank 1" in why, why
+
+
+def test_the_efa_table_refuses_only_types_it_lists_without_efa():
+    from speedrun.cluster.aws.config import AWSConfig, has_efa
+
+    assert (has_efa("p5.48xlarge"), has_efa("p5.4xlarge"), has_efa("c5.large"), has_efa("p9.96xlarge")) == \
+        (True, True, False, None)
+    assert AWSConfig(instance_type="p5.4xlarge", efa="on").efa == "on"  # a small size with EFA

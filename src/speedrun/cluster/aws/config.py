@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import functools
 import ipaddress
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Mapping
 
 from speedrun.errors import SpeedrunError
@@ -92,6 +94,9 @@ class AWSConfig:
             raise SpeedrunError(f"disk_gb must be {DISK_GB} (GiB), got {self.disk_gb!r}")
         if self.efa not in EFA_CHOICES:
             raise SpeedrunError(f"efa must be one of {', '.join(EFA_CHOICES)}, got {self.efa!r}")
+        if self.efa == "on" and has_efa(self.instance_type) is False:
+            raise SpeedrunError(f"--efa on: {self.instance_type} has no EFA; use a type that has it (p4d.24xlarge, "
+                                f"p5.48xlarge...) or --efa auto")
         if self.autostop is not None and not AUTOSTOP_MIN.holds(self.autostop):
             raise SpeedrunError(f"autostop must be {AUTOSTOP_MIN} (minutes), got {self.autostop!r}")
         if self.ssh_cidr is not None:  # as AWS wants it: a network with its prefix
@@ -114,6 +119,20 @@ def check_vpc_cidr(cidr: str) -> str:
         raise SpeedrunError(f"vpc_cidr {cidr}: give an IPv4 range from /16 to /24 (each zone's subnet is a "
                             "sixteenth of it, and AWS's smallest subnet is a /28)")
     return str(net)
+
+
+# The on-demand price table (a fallback), the GPUs of the GPU instance types (for projections) and
+# which types have EFA (for offline checks): dated, with their sources, inside.
+INSTANCE_TYPES = json.loads(Path(__file__).with_name("instance_types.json").read_text())
+
+
+def has_efa(instance_type: str) -> bool | None:
+    """Whether the type has EFA by the table in instance_types.json; None for a type it does not list
+    (newer than the table: AWS is asked)."""
+    table = INSTANCE_TYPES["efa"]
+    if instance_type in table["with_efa"]:
+        return True
+    return False if instance_type in table["without_efa"] else None
 
 
 @functools.cache

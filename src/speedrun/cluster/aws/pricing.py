@@ -11,18 +11,15 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
-from pathlib import Path
 from typing import Any, Iterable
 
 from speedrun.cluster.aws.api import Session, aws_errors, error_code
-from speedrun.cluster.aws.config import AWSConfig
+from speedrun.cluster.aws.config import INSTANCE_TYPES, AWSConfig
 from speedrun.cluster.provider import Billing
 from speedrun.errors import SpeedrunError
 from speedrun.money import Price
 
 log = logging.getLogger("speedrun.cluster")
-# The on-demand table (a fallback), and the GPUs of the GPU instance types, for projections.
-INSTANCE_TYPES = json.loads(Path(__file__).with_name("instance_types.json").read_text())
 PRICES_AS_OF = INSTANCE_TYPES["as_of"]
 PRICE_LIST_SOURCE = "AWS Price List API"
 
