@@ -2,7 +2,8 @@
 
 `TaskStatus` is one task's state; `telling_line` finds, in the end of a failed command's log, the
 line that says why (not c10d's noise, not torchrun's report); `summary` makes the one line per job
-that says which task ended first and why.
+that says which task ended first and why; `ReportFold` folds torchrun's report into one line where
+a log is printed (`logs`, `launch --follow`).
 """
 from __future__ import annotations
 
