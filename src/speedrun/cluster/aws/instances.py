@@ -42,8 +42,14 @@ def tagged_instances(s: Session, job: str) -> list[dict[str, Any]]:
 
 def job_instances(s: Session, job: str) -> dict[int, dict[str, Any]]:
     """The job's live instances by task index (the newest when two claim one index)."""
+    return instances_by_task(tagged_instances(s, job))
+
+
+def instances_by_task(instances: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """A job's instances by task index (the newest when two claim one index); those without a task
+    tag are left out."""
     found: dict[int, dict[str, Any]] = {}
-    for inst in sorted(tagged_instances(s, job), key=lambda i: i["LaunchTime"]):
+    for inst in sorted(instances, key=lambda i: i["LaunchTime"]):
         task = tag_value(inst, TASK_TAG)
         if task is not None and task.isdigit():
             found[int(task)] = inst

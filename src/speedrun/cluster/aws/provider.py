@@ -14,8 +14,9 @@ from speedrun.cluster.aws.api import Session
 from speedrun.cluster.aws.config import GROUP_TAG, AWSConfig, placement_group_name, tag_value
 from speedrun.cluster.aws.efa import (TypeNetwork, attach_public_addresses, efa_environment, needs_elastic_ip,
                                       release_addresses, type_network, wants_efa)
-from speedrun.cluster.aws.instances import (forget_host_key, instance_host, job_hosts, job_instances, launch,
-                                            start_stopped, tagged_instances, terminate, wait_for_ssh, wait_running)
+from speedrun.cluster.aws.instances import (forget_host_key, instance_host, instances_by_task, job_hosts, job_instances,
+                                            launch, start_stopped, tagged_instances, terminate, wait_for_ssh,
+                                            wait_running)
 from speedrun.cluster.aws.pricing import job_billing
 from speedrun.cluster.aws.resources import (Network, caller_cidr, delete_placement_group, ensure_efs, ensure_key_pair,
                                             ensure_network, ensure_placement_group, ensure_rules, ensure_subnet,
@@ -125,9 +126,9 @@ class AWSProvider(Provider):
         in the job's zone(s), and with other_zones (a replacement) then the region's other zones in
         name order, unless `zone` pins one."""
         s, c = self.session, self.config
-        found = job_instances(s, self.job)
-        # After a failure, what is not among these, this launch started.
-        before = {i["InstanceId"] for i in tagged_instances(s, self.job)}
+        tagged = tagged_instances(s, self.job)
+        found = instances_by_task(tagged)
+        before = {i["InstanceId"] for i in tagged}  # after a failure, the others this launch started
         efa = self.efa()  # asked before anything is made: --efa on for a type without it makes nothing
         if any(tag_value(i, GROUP_TAG) or i["Placement"].get("GroupName") == self.placement_group_name
                for i in found.values()):
