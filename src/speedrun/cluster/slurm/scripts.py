@@ -152,6 +152,11 @@ warn() {{
 trap warn USR1
 srun --ntasks-per-node=1 --kill-on-bad-exit=0 bash "$slurm_dir/node.sh" &
 step=$!
+# Slurm ends a start (a node failure, a requeue, scancel) by signalling this script's processes; srun
+# then cancels its step and waits for it up to KillWait + 2 s. It must not outlive this script: where
+# nothing else kills it (proctrack/linuxproc loses an orphan), it would cancel the step of the next
+# start, which has the same id (<job>.0), half a minute into it.
+trap 'kill -KILL "$step" 2>/dev/null; exit 143' TERM
 while :; do  # a trapped signal ends `wait` early: wait again until the step has ended
     wait "$step"; s=$?
     kill -0 "$step" 2>/dev/null || break
