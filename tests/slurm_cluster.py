@@ -204,6 +204,9 @@ ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/linear
 SchedulerType=sched/backfill
+# A requeued job is started by the backfill scheduler, every bf_interval seconds (default 30): 1 s,
+# so that a requeue test waits for the run, not for the scheduler's next pass.
+SchedulerParameters=bf_interval=1
 SlurmdParameters=config_overrides
 MpiDefault=none
 MailProg=/bin/true
