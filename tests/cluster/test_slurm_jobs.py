@@ -28,10 +28,10 @@ from test_distributed import write_recipe
 pytestmark = pytest.mark.slurm
 ONE_THREAD = ["--env", "OMP_NUM_THREADS=1"]  # two processes per core at most: one thread each
 TRAIN = ["-m", "speedrun", "train", "--device", "cpu", "--out", "{run_dir}"]
-# Of write_recipe's 768 images in batches of 32: 720 steps, about 30 s of training on two nodes on a
+# Of write_recipe's 768 images in batches of 32: 480 steps, about 20 s of training on two nodes on a
 # quiet machine here and 10-20 s to start. An interruption after 60 steps leaves far more to train
 # than it takes to look at the run (the requeue test attaches to it first) and to interrupt it.
-EPOCHS = 30
+EPOCHS = 20
 
 
 @pytest.fixture(scope="module")
