@@ -136,10 +136,11 @@ def test_crop_params_with_translation_and_kept_shape():
 @pytest.mark.slow
 def test_the_cli_trains_the_folder_to_the_in_memory_accuracy(tiny_run, tmp_path):
     """`speedrun train` on the tiny recipe's images as a PNG folder, with the tiny recipe read
-    from a file that changes only the dataset, ends within 2 points of the in-memory run's top-1,
-    averaged over 2 seeds (seeds alone move a run by about 1 point; before the folder path
-    followed the recipe's geometry it was 4.6 points behind: 71.5% against 76.1%). The in-memory
-    run of seed 0 is the session's (conftest.py `tiny_run`: seed 0, deterministic kernels)."""
+    from a file that changes only the dataset, ends within 2 points of the in-memory run's top-1
+    with the same seed (before the folder path followed the recipe's geometry it was 4.6 points
+    behind: 71.5% against 76.1%). Seeds alone move a run by about 2 points, but a pair with one seed
+    starts from the same weights: measured 75.3 against 74.9 (seed 0) and 77.2 against 76.6 (seed
+    1). The in-memory run is the session's (conftest.py `tiny_run`: seed 0, deterministic kernels)."""
     tiny = BUILTIN["tiny"]
     root = tmp_path / "png"
     fmnist_tree(root, tiny.train_examples, tiny.val_examples, plain=True)
@@ -150,16 +151,11 @@ def test_the_cli_trains_the_folder_to_the_in_memory_accuracy(tiny_run, tmp_path)
         "recipe = dataclasses.replace(BUILTIN['tiny'], name='tiny-folder', dataset='imagefolder',\n"
         "                             train_examples=None, val_examples=None)\n"
     )
-    top1 = {"memory": [json.loads((tiny_run / "results.json").read_text())["final"]["top1"]], "folder": []}
-    for seed in ("0", "1"):
-        for name, args in (("memory", ["--recipe", "tiny"]),
-                           ("folder", ["--recipe", str(recipe_file), "--data", str(root), "--workers", "2"])):
-            if name == "memory" and seed == "0":
-                continue  # tiny_run
-            out = tmp_path / f"{name}-{seed}"
-            proc = speedrun("train", *args, "--seed", seed, "--out", str(out))
-            assert proc.returncode == 0, proc.stderr[-2000:]
-            top1[name].append(json.loads((out / "results.json").read_text())["final"]["top1"])
-    memory, folder = np.mean(top1["memory"]), np.mean(top1["folder"])
+    memory = json.loads((tiny_run / "results.json").read_text())["final"]["top1"]
+    out = tmp_path / "folder"
+    proc = speedrun("train", "--recipe", str(recipe_file), "--data", str(root), "--workers", "2",
+                    "--seed", "0", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    folder = json.loads((out / "results.json").read_text())["final"]["top1"]
     assert memory > 0.7
-    assert abs(folder - memory) < 0.02, top1
+    assert abs(folder - memory) < 0.02, (folder, memory)
