@@ -194,7 +194,7 @@ def test_a_sigterm_while_the_run_cleans_up_does_not_lose_its_results(tmp_path, m
     close = engine.PhaseStreams.close
 
     def close_with_a_sigterm(self):
-        if sys._getframe(1).f_code.co_name == "run_epochs":  # the loop's clean-up, not a new phase's stream
+        if sys._getframe(1).f_code.co_name == "write_results":  # the loop's clean-up, not a new phase's stream
             os.kill(os.getpid(), signal.SIGTERM)  # delivered here, as torchrun's would be
         close(self)
 

@@ -85,82 +85,44 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             restore_sigterm()
 
 
+@dataclasses.dataclass
+class Loop:
+    """What the epoch loop's parts share: the run's pieces, and what it has done so far."""
+
+    cfg: TrainConfig
+    ctx: DistContext
+    source: DataSource
+    learner: Learner
+    state: RunState  # where the run is (step, epoch, clock, best metrics): what a checkpoint holds
+    tracker: Tracker
+    batches: DeviceBatches
+    clock: Clock
+    streams: PhaseStreams
+    writer: CheckpointWriter
+    stops: StopRequests
+    evals: list[dict]  # every evaluation's record (metrics.jsonl), a resumed run's earlier ones first
+    last_save: float  # time.time() of the last checkpoint, from which --checkpoint-every minutes count
+
+
 def run_epochs(
     cfg: TrainConfig, ctx: DistContext, source: DataSource, learner: Learner, state: RunState, tracker: Tracker
 ) -> dict[str, Any]:
-    """The epochs, from `state` (a fresh run's or a resumed one's) to the end or the target."""
-    recipe, out = cfg.recipe, cfg.out
+    """The epochs, from `state` (a fresh run's or a resumed one's) to the end or the target; the
+    results, written to results.json however the run ends."""
     tracker.print(run_header(cfg, ctx, source, learner.precision, learner.memory_format))
-    batches = DeviceBatches(source, ctx.device, learner.channels_last)
-    evals = read_jsonl(out / "metrics.jsonl") if cfg.resume else []
-    clock = Clock(cfg.process_start, state)
-    streams = PhaseStreams(source, ctx, cfg.seed)
-    writer = CheckpointWriter(last_written=f"{out / 'checkpoint.pt'} ({where(state)})" if cfg.resume else None)
+    loop = Loop(cfg, ctx, source, learner, state, tracker,
+                batches=DeviceBatches(source, ctx.device, learner.channels_last),
+                clock=Clock(cfg.process_start, state), streams=PhaseStreams(source, ctx, cfg.seed),
+                writer=CheckpointWriter(
+                    last_written=f"{cfg.out / 'checkpoint.pt'} ({where(state)})" if cfg.resume else None),
+                stops=StopRequests(ctx, cfg.out, cfg.spot_notice_url),
+                evals=read_jsonl(cfg.out / "metrics.jsonl") if cfg.resume else [], last_save=time.time())
     status, failure = "interrupted", None  # failure: why a "failed" run failed, one line
-    first_epoch = state.epoch
-    stops = StopRequests(ctx, out, cfg.spot_notice_url)
-    last_save = time.time()
     # The stop handler stays until results.json is written: torchrun's SIGTERM, sent when a peer
     # died, reaches a survivor that may already be cleaning up, and must not cut that short.
-    with stops:
+    with loop.stops:
         try:
-            for epoch in range(first_epoch, recipe.epochs):
-                phase = recipe.phase_at(epoch)
-                skip = state.epoch_step if epoch == first_epoch else 0  # steps a resumed epoch already took
-                stream = streams.for_epoch(phase, epoch, skip)
-                steps, images_per_step = len(stream), stream.batch_size * ctx.world_size
-                tracker.start_epoch(epoch, recipe.epochs, steps, phase.size, phase.batch_size)
-
-                learner.net.train()
-                start = time.time()
-                for i, (images, labels) in enumerate(stream, start=skip):
-                    clock.first_step()
-                    lr = recipe.lr_at(epoch, i, steps, ctx.world_size)  # per step: warmups and decays are smooth
-                    set_lr(learner.optimizer, lr)
-                    state.step += 1
-                    loss = learner.step(*batches.to_device(images, labels), state.step)
-                    state.epoch_step = i + 1
-                    if state.step % cfg.log_every == 0 or i == steps - 1:
-                        log_train_loss(loss, lr, epoch, state.step, ctx, tracker)
-                    tracker.advance((i + 1 - skip) * images_per_step / max(time.time() - start, 1e-9))
-                    writer.check()  # a checkpoint that failed stops the run now, not at the next save
-                    if stops.agreed():  # every rank stops after this same step
-                        break
-                    if (ctx.is_main and cfg.checkpoint_minutes
-                            and time.time() - last_save >= 60 * cfg.checkpoint_minutes):
-                        last_save = save(writer, learner, state, clock, cfg)  # mid-epoch, in the background
-                if stops.decided:  # what every rank agreed on, not this rank's own request
-                    status = stop_here(stops, writer, learner, state, clock, cfg, ctx, tracker)
-                    break
-                if ctx.device.type == "cuda":
-                    torch.cuda.synchronize()
-                epoch_s = time.time() - start
-                speed = {"images_per_s": (steps - skip) * images_per_step / epoch_s, "epoch_s": epoch_s}
-                learner.average_buffers(ctx)  # every rank evaluates (and rank 0 saves) the same model
-                tracker.log_epoch({"epoch": epoch + 1, "step": state.step, "size": phase.size,
-                                   "batch_size": phase.batch_size, **speed, "memory_mb": memory_mb(ctx.device)})
-                state.epoch, state.epoch_step = epoch + 1, 0
-
-                last = epoch == recipe.epochs - 1
-                if (epoch + 1) % recipe.eval_every == 0 or last:
-                    settings = EvalSettings(phase.size, recipe.val_batch_size or phase.batch_size, phase.rect_val,
-                                            recipe.eval_flip, learner.precision, phase.copy, phase.crop_pct)
-                    metrics = evaluate(learner.eval_net(settings.rect), source, settings, batches, ctx)
-                    # Evaluation time counts towards time-to-target, as in the 2018 record's clock.
-                    clock.record()
-                    evals.append(note_evaluation(recipe, phase, epoch, metrics, speed, state, tracker))
-                    # results.json so far, so that `speedrun compare` can show a run that is still going.
-                    tracker.write_results(build_results(cfg, ctx, source, state, evals, "running", clock.session_start,
-                                                        learner.precision, learner.memory_format))
-                if ctx.is_main and cfg.checkpoint_every and (
-                    state.epoch % cfg.checkpoint_every == 0 or last or state.target_epoch is not None
-                ):
-                    last_save = save(writer, learner, state, clock, cfg)  # written while the next epoch runs
-                if state.target_epoch is not None:
-                    break
-            writer.wait()
-            if status != "stopped":
-                status = "target_reached" if state.time_to_target_s is not None else "finished"
+            status = train_epochs(loop)
         except TrainingFailed as e:
             status, failure = "failed", str(e)
             raise
@@ -173,45 +135,130 @@ def run_epochs(
                 status, failure = "failed", peer_failure(e, ctx)
             raise
         except OSError as e:
-            error = run_dir_error(e, out, writer.last_written)
+            error = run_dir_error(e, cfg.out, loop.writer.last_written)
             status, failure = "failed", str(error)
             raise error from None
         finally:
-            streams.close()
-            # Already failing or interrupted: let the last checkpoint reach the disk; the error that
-            # ended the run is the one to report.
-            with contextlib.suppress(Exception):
-                writer.wait()
-            clock.record()
-            results = build_results(cfg, ctx, source, state, evals, status, clock.session_start, learner.precision,
-                                    learner.memory_format)
-            results["last_checkpoint"] = writer.last_written  # complete on disk; None: none
-            results["failure"] = failure
-            results.update(recovery_costs(out, results["lost_s"], state.price))
-            try:
-                tracker.write_results(results)
-                stops.settle()  # the outcome is on disk: a SIGTERM from here on changes nothing
-                tracker.plot(evals, dataclasses.asdict(recipe.target) if recipe.target else None)
-            except OSError as e:  # a full disk: the error above says so; the checkpoint is what counts
-                tracker.print(f"results.json not written: {e.strerror}")
+            results = write_results(loop, status, failure)
     if status == "stopped":
         # No rank leaves before rank 0 has the checkpoint and results on disk: the launcher stops
         # the others as soon as one process exits.
-        stops.barrier()
+        loop.stops.barrier()
     return results
 
 
-def stop_here(stops: StopRequests, writer: CheckpointWriter, learner: Learner, state: RunState, clock: Clock,
-              cfg: TrainConfig, ctx: DistContext, tracker: Tracker) -> str:
+def train_epochs(loop: Loop) -> str:
+    """Train epoch after epoch until the recipe's end, its target, or a stop every rank agreed on;
+    the run's status then ("finished", "target_reached" or "stopped")."""
+    recipe, state = loop.cfg.recipe, loop.state
+    first_epoch = state.epoch
+    for epoch in range(first_epoch, recipe.epochs):
+        phase = recipe.phase_at(epoch)
+        skip = state.epoch_step if epoch == first_epoch else 0  # steps a resumed epoch already took
+        speed = train_epoch(loop, epoch, phase, skip)
+        if speed is None:  # every rank agreed to stop after the same step
+            return stop_here(loop)
+        after_epoch(loop, epoch, phase, speed)
+        if state.target_epoch is not None:
+            break
+    loop.writer.wait()
+    return "target_reached" if state.time_to_target_s is not None else "finished"
+
+
+def train_epoch(loop: Loop, epoch: int, phase: Phase, skip: int) -> dict[str, float] | None:
+    """One epoch's steps from step `skip` of it (a resumed epoch's first ones were taken): the LR set
+    per step, the loss logged, a mid-epoch checkpoint when one is due. Its speed (images/s, epoch_s:
+    seconds), or None when every rank agreed to stop after a step of it."""
+    cfg, ctx, learner, state, tracker = loop.cfg, loop.ctx, loop.learner, loop.state, loop.tracker
+    stream = loop.streams.for_epoch(phase, epoch, skip)
+    steps, images_per_step = len(stream), stream.batch_size * ctx.world_size
+    tracker.start_epoch(epoch, cfg.recipe.epochs, steps, phase.size, phase.batch_size)
+    learner.net.train()
+    start = time.time()
+    for i, (images, labels) in enumerate(stream, start=skip):
+        loop.clock.first_step()
+        lr = cfg.recipe.lr_at(epoch, i, steps, ctx.world_size)  # per step: warmups and decays are smooth
+        set_lr(learner.optimizer, lr)
+        state.step += 1
+        loss = learner.step(*loop.batches.to_device(images, labels), state.step)
+        state.epoch_step = i + 1
+        if state.step % cfg.log_every == 0 or i == steps - 1:
+            log_train_loss(loss, lr, epoch, state.step, ctx, tracker)
+        tracker.advance((i + 1 - skip) * images_per_step / max(time.time() - start, 1e-9))
+        loop.writer.check()  # a checkpoint that failed stops the run now, not at the next save
+        if loop.stops.agreed():  # every rank stops after this same step
+            break
+        if ctx.is_main and cfg.checkpoint_minutes and time.time() - loop.last_save >= 60 * cfg.checkpoint_minutes:
+            loop.last_save = save(loop.writer, learner, state, loop.clock, cfg)  # mid-epoch, in the background
+    if loop.stops.decided:  # what every rank agreed on, not this rank's own request
+        return None
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize()
+    epoch_s = time.time() - start
+    return {"images_per_s": (steps - skip) * images_per_step / epoch_s, "epoch_s": epoch_s}
+
+
+def after_epoch(loop: Loop, epoch: int, phase: Phase, speed: dict[str, float]) -> None:
+    """An epoch's end: its speed logged, an evaluation when one is due (it may reach the target),
+    results.json brought up to date, and the checkpoint when one is due."""
+    cfg, ctx, learner, state, tracker = loop.cfg, loop.ctx, loop.learner, loop.state, loop.tracker
+    recipe = cfg.recipe
+    learner.average_buffers(ctx)  # every rank evaluates (and rank 0 saves) the same model
+    tracker.log_epoch({"epoch": epoch + 1, "step": state.step, "size": phase.size,
+                       "batch_size": phase.batch_size, **speed, "memory_mb": memory_mb(ctx.device)})
+    state.epoch, state.epoch_step = epoch + 1, 0
+    last = epoch == recipe.epochs - 1
+    if (epoch + 1) % recipe.eval_every == 0 or last:
+        settings = EvalSettings(phase.size, recipe.val_batch_size or phase.batch_size, phase.rect_val,
+                                recipe.eval_flip, learner.precision, phase.copy, phase.crop_pct)
+        metrics = evaluate(learner.eval_net(settings.rect), loop.source, settings, loop.batches, ctx)
+        # Evaluation time counts towards time-to-target, as in the 2018 record's clock.
+        loop.clock.record()
+        loop.evals.append(note_evaluation(recipe, phase, epoch, metrics, speed, state, tracker))
+        # results.json so far, so that `speedrun compare` can show a run that is still going.
+        tracker.write_results(build_results(cfg, ctx, loop.source, state, loop.evals, "running",
+                                            loop.clock.session_start, learner.precision, learner.memory_format))
+    if ctx.is_main and cfg.checkpoint_every and (
+        state.epoch % cfg.checkpoint_every == 0 or last or state.target_epoch is not None
+    ):
+        loop.last_save = save(loop.writer, learner, state, loop.clock, cfg)  # written while the next epoch runs
+
+
+def write_results(loop: Loop, status: str, failure: str | None) -> dict[str, Any]:
+    """However the run ended (`status`; `failure`: why a failed one failed, one line): the data
+    streams closed, the last checkpoint on disk, results.json and accuracy.png written."""
+    cfg, learner, state, tracker = loop.cfg, loop.learner, loop.state, loop.tracker
+    loop.streams.close()
+    # Already failing or interrupted: let the last checkpoint reach the disk; the error that
+    # ended the run is the one to report.
+    with contextlib.suppress(Exception):
+        loop.writer.wait()
+    loop.clock.record()
+    results = build_results(cfg, loop.ctx, loop.source, state, loop.evals, status, loop.clock.session_start,
+                            learner.precision, learner.memory_format)
+    results["last_checkpoint"] = loop.writer.last_written  # complete on disk; None: none
+    results["failure"] = failure
+    results.update(recovery_costs(cfg.out, results["lost_s"], state.price))
+    try:
+        tracker.write_results(results)
+        loop.stops.settle()  # the outcome is on disk: a SIGTERM from here on changes nothing
+        tracker.plot(loop.evals, dataclasses.asdict(cfg.recipe.target) if cfg.recipe.target else None)
+    except OSError as e:  # a full disk: the error above says so; the checkpoint is what counts
+        tracker.print(f"results.json not written: {e.strerror}")
+    return results
+
+
+def stop_here(loop: Loop) -> str:
     """Every rank agreed to stop after this step: rank 0 writes the checkpoint of this exact step
     and waits for it; returns the run's status, "stopped"."""
-    if ctx.is_main:
-        save(writer, learner, state, clock, cfg)
+    stops, writer, cfg = loop.stops, loop.writer, loop.cfg
+    if loop.ctx.is_main:
+        save(writer, loop.learner, loop.state, loop.clock, cfg)
         writer.wait()
         stops.clear()
     notice = f" ({stops.notice})" if stops.notice else ""
-    tracker.print(f"stopped {where(state)} on {stops.reason}{notice}; the checkpoint holds this step: "
-                  f"continue with --resume --out {cfg.out}")
+    loop.tracker.print(f"stopped {where(loop.state)} on {stops.reason}{notice}; the checkpoint holds this step: "
+                       f"continue with --resume --out {cfg.out}")
     return "stopped"
 
 
