@@ -290,6 +290,12 @@ class NetnsCluster:
         processes keep running, unreachable meanwhile."""
         ip("link", "set", self._veth_root(host.index), "up" if up else "down")
 
+    def set_path_from_here(self, host: NetnsHost, up: bool) -> None:
+        """Cut (up=False) or restore the path between this machine and `host` alone, as a firewall
+        between them would: `host` keeps reaching the other hosts of its subnet, and they it (its
+        replies to this machine's address on the network go nowhere: a blackhole route there)."""
+        host.exec(["ip", "route", "del" if up else "add", "blackhole", f"{self.address(-1)}/32"], check=True)
+
     def stop(self) -> None:
         """Stop every process in the namespaces, delete them and the links; idempotent."""
         if self.slot is None:
