@@ -1,5 +1,6 @@
 """The tree's promise (docs/architecture.md): imports only go downwards, so there is no import
-cycle among speedrun's modules (counting imports inside functions, and a package's face: a
+cycle among speedrun's modules (counting imports inside functions but not those under `if
+TYPE_CHECKING:`, which never run, and a package's face: a
 submodule importing names from its own package's `__init__`, which imports it back, is a cycle);
 the cluster wing stands on the shared base alone; data and models never reach up into the loop;
 no library module imports a command module. Each test names every import that breaks its rule."""
@@ -24,12 +25,24 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def type_only(tree: ast.Module) -> set[ast.AST]:
+    """The import statements under `if TYPE_CHECKING:`: they never run, so they make no cycle (a
+    provider makes jobs and a job holds its provider: each names the other in annotations only)."""
+    return {n for node in ast.walk(tree) if isinstance(node, ast.If) and isinstance(node.test, ast.Name)
+            and node.test.id == "TYPE_CHECKING" for stmt in node.body for n in ast.walk(stmt)}
+
+
 def imports(path: Path, modules: set[str]) -> set[str]:
-    """The speedrun modules `path` imports. `from pkg import name` counts as importing `pkg.name`
-    when that is a module, else as importing the package's face `pkg` (also from inside pkg)."""
+    """The speedrun modules `path` imports, in functions too but not for annotations only
+    (type_only). `from pkg import name` counts as importing `pkg.name` when that is a module, else
+    as importing the package's face `pkg` (also from inside pkg)."""
     me = module_name(path)
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    skip = type_only(tree)
+    for node in ast.walk(tree):
+        if node in skip:
+            continue
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("speedrun"):
             for alias in node.names:
                 sub = f"{node.module}.{alias.name}"
@@ -100,4 +113,36 @@ def test_recipes_data_and_models_never_reach_up_into_the_loop_or_the_cluster():
     floors = ("speedrun.recipe", "speedrun.recipes", "speedrun.data", "speedrun.model", "speedrun.optim")
     wrong = sorted(f"{name} -> {m}" for name in graph if any(within(name, f) for f in floors)
                    for m in graph[name] if m in LOOP or within(m, "speedrun.cluster") or is_command(m))
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_module_but_a_providers_own_names_a_provider():
+    """A provider is one class in its own module or package, listed in providers.PROVIDERS
+    (docs/architecture.md, "Changing speedrun"): no other module imports a provider's class or
+    spells a provider's name in its code (docstrings may). ssh.py and hosts.py are the transports:
+    their program is called ssh and this machine's host local, whatever the providers are called;
+    the wing's face re-exports LocalProvider and SSHProvider, as it always has."""
+    from speedrun.cluster import providers
+
+    kinds = set(providers.PROVIDERS)
+    classes = {cls.__name__ for cls in providers.PROVIDERS.values()}
+    assert {"local", "ssh", "aws", "slurm"} <= kinds and "SlurmProvider" in classes
+    own = {"speedrun.cluster.providers", "speedrun.cluster.aws", "speedrun.cluster.slurm",
+           "speedrun.cluster.ssh", "speedrun.cluster.hosts"}
+    wrong = []
+    for path in sorted(SRC.rglob("*.py")):
+        name = module_name(path)
+        if name == "speedrun.cluster" or any(within(name, o) for o in own):
+            continue
+        tree = ast.parse(path.read_text())
+        docstrings = {id(n.body[0].value) for n in ast.walk(tree)
+                      if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                      and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and id(node) not in docstrings and node.value in kinds:
+                wrong.append(f"{name}:{node.lineno}: the string {node.value!r}")
+            elif isinstance(node, ast.alias) and node.name in classes:
+                wrong.append(f"{name}: imports {node.name}")
+            elif isinstance(node, ast.Name) and node.id in classes:
+                wrong.append(f"{name}:{node.lineno}: {node.id}")
     assert not wrong, "\n".join(wrong)

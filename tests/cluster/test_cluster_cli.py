@@ -109,7 +109,7 @@ def test_options_that_do_not_apply_are_refused_offline_before_anything_is_asked(
 @pytest.mark.parametrize("flags,message", [
     (["--watcher-host", "root@ctl"], "--watcher-host needs --recover (it says where the recovering watcher runs)"),
     (["--recover", "--watcher-host", "root@ctl"],
-     "the local provider's machines cannot be watched from another host: --watcher-host needs --provider ssh or aws"),
+     "the local provider's machines cannot be watched from another host"),
     (["--hosts", "root@gpu1", "--recover", "--watcher-host", "root@ctl"],
      "a watcher on another host reaches the job's hosts with a key copied there: give it with --identity"),
     (["--recover", "--watcher-host", "root@ctl:notaport"], "bad host 'root@ctl:notaport'"),

@@ -322,8 +322,8 @@ def test_requeues_beyond_the_cap_end_the_job_and_ls_says_so(in_cluster, tmp_path
                             "hours:minutes:seconds (1:30:00) or days-hours[:minutes[:seconds]] (2-00:00:00)"),
     (["--hosts", "a,b"], "speedrun: error: hosts were given for the slurm provider: Slurm chooses the nodes "
                          "(give their number, -n, and a partition)"),
-    (["--recover"], "speedrun: error: --recover is for ssh and aws jobs: a Slurm job requeues itself and resumes "
-                    "(--max-requeues, docs/slurm.md)"),
+    (["--recover"], "speedrun: error: --recover does not apply to the slurm provider: a Slurm job requeues itself "
+                    "and resumes (--max-requeues, docs/slurm.md)"),
 ])
 def test_bad_input_is_one_line_and_exit_2_and_nothing_is_made(in_cluster, tmp_path, capsys, args, line):
     code, out, err = speedrun(capsys, "launch", "bad", "--provider", "slurm", "--run-root", str(tmp_path), *args,

@@ -24,18 +24,17 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from speedrun.cluster.check_cli import add_check_command
+from speedrun.cluster.down_cli import add_down_command
 from speedrun.cluster.progress import show_progress
-from speedrun.cluster.aws.cli import AWS_OPTIONS, DOWN_REFUSED, add_aws_options, down_all, is_aws_secret
-from speedrun.cluster.slurm.cli import add_slurm_options, slurm_options
+from speedrun.cluster.providers import DEFAULT_PROVIDER, PROVIDERS, UNLOADABLE
 from speedrun.errors import EXIT_BAD_INPUT, EXIT_FAILED, SpeedrunError, stop_on_sigterm
 from speedrun.inputs import PORT, PROCESSES, TASKS, USD_PER_HOUR, Bound, Parser, given, given_path
 
 TASK_INDEX = Bound(int, 0, TASKS.hi - 1)  # a task's number in its job, from 0
 
-if TYPE_CHECKING:  # annotations only: the commands import the cluster modules when they run
+if TYPE_CHECKING:  # annotations only
     from speedrun.cluster.job import Job
     from speedrun.cluster.task import Result
-
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -85,16 +84,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="only check that the watcher can start here (its record, and the provider reached)")
     p.set_defaults(func=cmd_watch)
 
-    p = sub.add_parser("down", help="end a job for good: terminate the instances speedrun started for it "
-                                    "(or just kill its sessions on your own machines) and forget it")
-    p.add_argument("name", type=given, nargs="?", help="job name")
-    p.add_argument("--all", action="store_true",
-                   help="terminate and delete everything speedrun made in AWS (instances, EFS, VPC, key pairs)")
-    p.add_argument("--region", type=given,
-                   help="with --all: this AWS region too (default: the regions of recorded jobs and "
-                        "the AWS configuration's)")
-    p.add_argument("--yes", action="store_true", help="with --all: do not ask for confirmation")
-    p.set_defaults(func=cmd_down)
+    add_down_command(sub)
 
     p = sub.add_parser("tb", help="start TensorBoard on task 0 and forward it here over SSH")
     p.add_argument("name", type=given, help="job name")
@@ -105,8 +95,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def add_launch_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--provider", choices=["local", "ssh", "aws", "slurm"], default=None,
-                   help="where tasks run (default: ssh when --hosts is given, else local)")
+    # A plugin that could not be loaded is a choice too: naming it says why it cannot be used.
+    p.add_argument("--provider", choices=[*PROVIDERS, *UNLOADABLE], default=None,
+                   help=f"where tasks run (default: {DEFAULT_PROVIDER})")
     p.add_argument("--hosts", type=given, default=None, help="comma-separated user@host[:port] for the ssh provider")
     p.add_argument("-n", "--tasks", type=TASKS, default=None,
                    help="number of tasks: hosts, instances or Slurm nodes (default: one per host, or 1)")
@@ -140,15 +131,15 @@ def add_launch_options(p: argparse.ArgumentParser) -> None:
                    help="with --watcher-host: set a variable for the watcher there only (repeatable), e.g. "
                         "AWS_PROFILE, AWS_REGION, AWS_SHARED_CREDENTIALS_FILE, AWS_ENDPOINT_URL; not recorded or "
                         "printed. AWS keys are refused: the controller has credentials of its own")
-    g = p.add_argument_group("ssh")
+    g = p.add_argument_group("reaching hosts with OpenSSH (hosts you name, and a --watcher-host)")
     g.add_argument("--identity", type=given_path, help="private key (default: ssh's own choice and agent)")
     g.add_argument("--known-hosts", type=given_path,
                    help="speedrun's pinned host keys (default $SPEEDRUN_HOME/known_hosts)")
     g.add_argument("--ssh-config", type=given_path, help="ssh config file instead of ~/.ssh/config")
     g.add_argument("--accept-new-host-keys", action="store_true",
                    help="trust and pin the key of a host seen for the first time (host keys are checked strictly)")
-    add_aws_options(p)
-    add_slurm_options(p)
+    for provider in PROVIDERS.values():
+        provider.add_options(p)
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
@@ -156,7 +147,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from speedrun.cluster.job import JOIN_TIMEOUT_S
     from speedrun.cluster.states import summary
     from speedrun.cluster.lifecycle import make_job, save_record
-    from speedrun.cluster.providers import make_provider
+    from speedrun.cluster.providers import default_provider, make_provider
     from speedrun.cluster.ssh import HostSpec, SSHOptions
     from speedrun.cluster.task import check_name
 
@@ -189,15 +180,16 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if args.watcher_env and watcher_host is None:
         raise SpeedrunError("--watcher-env needs --watcher-host (it sets variables for the watcher there)")
     watcher_env = parse_env(args.watcher_env, "--watcher-env", show=False)
-    for key in sorted(k for k in watcher_env if is_aws_secret(k)):
-        raise SpeedrunError(f"--watcher-env {key}: speedrun does not copy AWS credentials to the controller; give "
-                            f"it its own (an instance role, or ~/.aws there; AWS_SHARED_CREDENTIALS_FILE=PATH names "
-                            f"a credentials file on it)")
+    for key in sorted(watcher_env):
+        for why in filter(None, (p.watcher_env_refusal(key) for p in PROVIDERS.values())):
+            raise SpeedrunError(f"--watcher-env {key}: {why}")
     hosts = [h for h in (args.hosts or "").split(",") if h.strip()]
-    provider = args.provider or ("ssh" if hosts else "local")
-    if provider == "slurm" and args.recover:
-        raise SpeedrunError("--recover is for ssh and aws jobs: a Slurm job requeues itself and resumes "
-                            "(--max-requeues, docs/slurm.md)")
+    kind = args.provider or default_provider(hosts)
+    chosen = PROVIDERS.get(kind)
+    if chosen is None:  # a plugin that could not be loaded
+        raise SpeedrunError(UNLOADABLE[kind])
+    if args.recover and chosen.recover_refusal:
+        raise SpeedrunError(f"--recover does not apply to the {kind} provider: {chosen.recover_refusal}")
     num_tasks = args.tasks if args.tasks is not None else (len(hosts) or 1)
     env = parse_env(args.env, "--env")
     setup = None
@@ -208,13 +200,14 @@ def cmd_launch(args: argparse.Namespace) -> int:
     ssh_flags = {"--identity": args.identity, "--known-hosts": args.known_hosts, "--ssh-config": args.ssh_config,
                  "--accept-new-host-keys": args.accept_new_host_keys or None}
     given_ssh = [flag for flag, value in ssh_flags.items() if value is not None]
-    if given_ssh and provider != "ssh" and watcher_host is None:  # they would be ignored
+    if given_ssh and not chosen.takes_ssh_options and watcher_host is None:  # they would be ignored
+        takers = " or ".join(f"--provider {k}" for k, p in PROVIDERS.items() if p.takes_ssh_options)
         raise SpeedrunError(f"{', '.join(given_ssh)} {'does' if len(given_ssh) == 1 else 'do'} not apply to the "
-                            f"{provider} provider: the ssh options are for --provider ssh hosts and a --watcher-host")
+                            f"{kind} provider: the ssh options are for {takers} hosts and a --watcher-host")
     ssh_options = SSHOptions(known_hosts=args.known_hosts, identity_file=args.identity, ssh_config=args.ssh_config,
                              accept_new_host_keys=args.accept_new_host_keys)
-    options = {k: v for k in AWS_OPTIONS if (v := vars(args)[k]) is not None} | slurm_options(args)
-    prov = make_provider(provider, args.name, hosts, ssh_options if provider == "ssh" else None, None, options)
+    options = {k: v for p in PROVIDERS.values() for k, v in p.cli_options(args).items()}
+    prov = make_provider(kind, args.name, hosts, ssh_options if chosen.takes_ssh_options else None, None, options)
     if watcher_host is not None:
         prov.relocate("~")  # whether a watcher elsewhere can reach these machines: says so before anything starts
     job = make_job(args.name, num_tasks, provider=prov, run_root=args.run_root,
@@ -425,34 +418,6 @@ def cmd_watch(args: argparse.Namespace) -> int:
         print(f"job {args.name}: the watcher can start here")
         return 0
     print(f"job {args.name}: every task succeeded; recoveries, if any, are in its run directory's recoveries.jsonl")
-    return 0
-
-
-def cmd_down(args: argparse.Namespace) -> int:
-    from speedrun.cluster import registry
-    from speedrun.cluster.reopen import open_job
-    from speedrun.cluster.watcher import stop_watcher
-
-    show_progress()
-    if args.all:
-        if args.name:
-            raise SpeedrunError("give a job name or --all, not both")
-        return down_all(args.region, args.yes)
-    if not args.name:
-        raise SpeedrunError("which job? speedrun down NAME (or --all)")
-    rec = registry.load(args.name)
-    stopped = stop_watcher(rec, forget=True)
-    if stopped is not None and not stopped.ok:
-        raise SpeedrunError(stopped.refusal(rec.name, f"nothing of the job was removed, {DOWN_REFUSED}"))
-    if stopped is not None:
-        print(f"speedrun: {stopped.line}", file=sys.stderr)
-    job = open_job(args.name, probe=False)  # after the watcher: where it last moved the tasks
-    released = job.provider.down()
-    if not released:
-        job.kill()  # machines that are not speedrun's stay; the job's sessions on them end
-    registry.forget(job.name)
-    how = f"terminated {', '.join(released)}" if released else "its commands were stopped"
-    print(f"job {job.name} is down: {how}; its run directory was {job.run_dir}")
     return 0
 
 

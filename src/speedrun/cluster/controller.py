@@ -39,8 +39,9 @@ import tempfile
 from pathlib import Path
 
 from speedrun.cluster import registry
-from speedrun.cluster.job import HostSetup, Job, Launch
+from speedrun.cluster.job import Job, Launch
 from speedrun.cluster.states import TaskStatus
+from speedrun.cluster.tmux_job import HostSetup, TmuxJob
 from speedrun.cluster.lifecycle import make_job
 from speedrun.cluster.recovery import watch
 from speedrun.cluster.reopen import open_job
@@ -62,7 +63,7 @@ def watcher_name(job: str) -> str:
     return f"{job}-watcher"
 
 
-def start_watcher(job: Job, host: str, ssh: SSHOptions | None, *, max_restarts: int, python: str = "python3",
+def start_watcher(job: TmuxJob, host: str, ssh: SSHOptions | None, *, max_restarts: int, python: str = "python3",
                   env: dict[str, str] | None = None) -> Job:
     """Start `job`'s watcher on `host` (user@host[:port], reached with `ssh`) with `env` added to
     its environment there, as the module says. One that runs there already is left alone when it
@@ -73,7 +74,7 @@ def start_watcher(job: Job, host: str, ssh: SSHOptions | None, *, max_restarts: 
         raise SpeedrunError(f"job {job.name}: only the process that made and launched it can start its watcher")
 
     def make(restart: bool) -> Job:
-        return make_job(watcher_name(job.name), 1, provider="ssh", hosts=[host], ssh=ssh,
+        return make_job(watcher_name(job.name), 1, hosts=[host], ssh=ssh,  # the provider for given hosts
                         run_root=f"{WATCHERS}/runs", python=python, restart=restart)
     watcher = make(restart=False)
     task = watcher[0]

@@ -1,25 +1,34 @@
-"""What a provider is: the small interface every kind of machine sits behind.
+"""What a provider is: one class per kind of machine (`PROVIDERS` in providers.py lists them), the
+one place that kind is described. The class declares
 
-A provider hands out the hosts a job's tasks run on. `hosts(n)` returns n Hosts (the same Host may
-come back several times: several tasks on one machine), and `record()` / `from_record()` turn it
-into JSON and back so that `speedrun ls | logs | attach | kill | down` can find a job's machines
-later. A provider that starts machines itself (AWS) also says what they cost (`billing`), gives
-them back (`down`) and may bring storage every host sees (`run_root`).
-
-The kinds there are, and the registry that names them, are in providers.py.
+- its name (`kind`), the make_job keywords it takes (`option_names`) and launch's command-line
+  options for them (`add_options`, read back by `cli_options`), and how it refuses the ones that
+  do not apply (`from_args`);
+- how it is saved with a job and made again (`record`, `from_record`);
+- its verbs: `make_job` and `open_job` (the kind of Job its jobs are: host_provider.py's TmuxJob
+  for machines speedrun reaches itself, slurm/job.py's SlurmJob for a Slurm cluster), and what
+  a provider that starts machines itself (AWS) adds: what they cost (`price`, `billing`), their
+  network (`network`), giving them back (`down`), and what `speedrun down --all` removes
+  (`leftovers`, with `add_down_options`);
+- what does not apply to it: `--recover` (`recover_refusal`), a variable a watcher elsewhere must
+  not be given (`watcher_env_refusal`), a watcher on another host (`relocate`).
 """
 from __future__ import annotations
 
+import argparse
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Sequence
 
-from speedrun.cluster.hosts import Host
+from speedrun.cluster.registry import JobRecord
 from speedrun.cluster.ssh import SSHOptions
 from speedrun.errors import SpeedrunError
 from speedrun.money import Price
+
+if TYPE_CHECKING:  # annotations only: jobs hold their provider, so job.py imports this module
+    from speedrun.cluster.job import Job, JobSpec
 
 
 class MachinesLeft(SpeedrunError):
@@ -54,12 +63,59 @@ class NetworkSpec:
     efa: bool = False  # launched with EFA interfaces: NCCL should move data over EFA, not sockets
 
 
+class Leftovers(ABC):
+    """What `speedrun down --all` would remove of one provider's: everything speedrun made with it
+    that outlives a job (AWS: instances, EFS, VPC, key pairs), found before anything is removed."""
+
+    where: str  # for the closing line, e.g. "AWS (us-east-1)"
+
+    @abstractmethod
+    def describe(self) -> list[str]:
+        """One line per thing found, as the confirmation lists them; [] when there is nothing."""
+
+    @abstractmethod
+    def remove(self) -> None:
+        """Terminate and delete all of it."""
+
+
 class Provider(ABC):
-    """Hands out hosts. Each kind is one class in providers.PROVIDERS, made from make_job's arguments
-    (`from_args`) or from the record saved with a job (`from_record`)."""
+    """One kind of machine (see the module's text). Made from make_job's arguments (`from_args`)
+    or from the record saved with a job (`from_record`)."""
 
-    kind: str
+    kind: ClassVar[str]
+    option_names: ClassVar[tuple[str, ...]] = ()  # make_job's keywords it takes (its config's fields)
+    takes_ssh_options: ClassVar[bool] = False  # whether its hosts are reached with make_job's ssh=SSHOptions
+    recover_refusal: ClassVar[str | None] = None  # why `launch --recover` does not apply; None: it does
 
+    # --- the command line ---
+    @classmethod  # noqa: B027  (a default: none)
+    def add_options(cls, parser: argparse.ArgumentParser) -> None:
+        """launch's options for this provider, as a group of their own (default: none). Their dest
+        names are option_names: `cli_options` reads them back."""
+
+    @classmethod
+    def cli_options(cls, args: argparse.Namespace) -> dict[str, Any]:
+        """make_job's keywords for the options of add_options that were given."""
+        return {k: v for k in cls.option_names if (v := getattr(args, k, None)) is not None}
+
+    @classmethod  # noqa: B027  (a default: none)
+    def add_down_options(cls, parser: argparse.ArgumentParser) -> None:
+        """`speedrun down`'s options for `--all` with this provider (default: none)."""
+
+    @classmethod
+    def leftovers(cls, args: argparse.Namespace, records: Sequence[JobRecord]) -> Leftovers | None:
+        """For `speedrun down --all` (its parsed `args`): what speedrun made with this provider that
+        outlives a job, found from the recorded jobs of this kind (`records`); None for a provider
+        that makes nothing of the kind. Nothing is removed here."""
+        return None
+
+    @classmethod
+    def watcher_env_refusal(cls, key: str) -> str | None:
+        """Why `launch --watcher-env KEY=...` must not copy `key` to a controller host (a credential
+        of this provider's, which a controller holds itself); None: it may."""
+        return None
+
+    # --- made, saved, made again ---
     @classmethod
     @abstractmethod
     def from_args(cls, job: str, hosts: Sequence[str], ssh: SSHOptions | None,
@@ -74,28 +130,27 @@ class Provider(ABC):
         host keys are checked strictly: first contact is over."""
 
     @abstractmethod
-    def hosts(self, count: int) -> list[Host]:
-        """Hosts for `count` tasks, task i on the i-th."""
-
-    @abstractmethod
     def record(self) -> dict[str, Any]:
         """What from_record needs to make this provider again (JSON-able, no secrets), with "kind"."""
 
-    @property
-    def run_root(self) -> str | None:
-        """Where run directories go by default on storage every host sees (EFS...); None: none."""
-        return None
+    # --- its jobs ---
+    @abstractmethod
+    def make_job(self, name: str, num_tasks: int, spec: JobSpec) -> Job:
+        """Job `name` of `num_tasks` tasks on these machines: the running one found again
+        (reconnected) unless spec.restart, else a new run as `spec` says (lifecycle.make_job)."""
 
+    @abstractmethod
+    def open_job(self, rec: JobRecord, *, probe: bool = True, watcher_known_hosts: str = "") -> Job:
+        """The recorded job `rec` found again, to inspect, follow, attach to or kill (reopen.open_job);
+        probe=False: without asking its machines anything (enough for status and kill).
+        watcher_known_hosts: the host keys a watcher on a controller host pinned for them."""
+
+    # --- what the machines are ---
     def relocate(self, home: str) -> tuple[dict[str, Any], dict[str, Path]]:
         """For a watcher on another machine (controller.py), whose speedrun home is `home` there:
         the record with that home's paths, and the local files to copy into it (path relative to
-        `home` -> file here). SpeedrunError where another machine cannot reach these hosts."""
-        raise SpeedrunError(f"the {self.kind} provider's machines cannot be watched from another host: "
-                            f"--watcher-host needs --provider ssh or aws")
-
-    def replace(self, index: int, count: int) -> Host:
-        """A host to take over task `index` (of `count`) from one that was lost (recovery)."""
-        raise SpeedrunError(f"the {self.kind} provider has no machine to put in place of a lost one")
+        `home` -> file here). SpeedrunError where another machine cannot reach these machines."""
+        raise SpeedrunError(f"the {self.kind} provider's machines cannot be watched from another host")
 
     def environment(self) -> dict[str, str]:
         """Variables every launched command gets on these machines (e.g. where spot notices come)."""

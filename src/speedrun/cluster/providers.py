@@ -4,24 +4,32 @@
     ssh    given machines, `user@host[:port]`, one task per machine, through the OpenSSH client
     aws    EC2 instances speedrun starts itself (the aws package), reached as SSH hosts
     slurm  a Slurm cluster's nodes, one Slurm job per speedrun job (the slurm package)
+
+Another package adds a provider without changing speedrun: an entry point in the group
+`speedrun.providers` naming its Provider class (pyproject.toml:
+`[project.entry-points."speedrun.providers"] mine = "my_package.provider:MyProvider"`), listed in
+`PROVIDERS` after these. docs/architecture.md ("Changing speedrun") says what such a class declares.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import importlib.metadata
 import os
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 from speedrun.cluster import registry
-from speedrun.cluster.aws import AWSConfig, AWSProvider
+from speedrun.cluster.aws import AWSProvider
+from speedrun.cluster.host_provider import HostProvider
 from speedrun.cluster.hosts import Host, LocalHost
 from speedrun.cluster.provider import Provider
-from speedrun.cluster.slurm import SlurmConfig, SlurmProvider
+from speedrun.cluster.slurm import SlurmProvider
 from speedrun.cluster.ssh import HostSpec, SSHHost, SSHOptions
 from speedrun.errors import SpeedrunError, one_line
 
 
-class LocalProvider(Provider):
+class LocalProvider(HostProvider):
     """Every task on this machine."""
 
     kind = "local"
@@ -50,10 +58,16 @@ class LocalProvider(Provider):
         return {"kind": self.kind}
 
 
-class SSHProvider(Provider):
+class SSHProvider(HostProvider):
     """Machines you already have, reached with ssh; task i runs on hosts[i]."""
 
     kind = "ssh"
+    option_names = tuple(f.name for f in dataclasses.fields(SSHOptions))
+    takes_ssh_options = True
+
+    @classmethod
+    def cli_options(cls, args: argparse.Namespace) -> dict[str, Any]:
+        return {}  # launch's ssh options reach every provider that takes them as make_job's ssh=SSHOptions
 
     def __init__(self, hosts: Sequence[str], options: SSHOptions):
         if not hosts:
@@ -137,25 +151,24 @@ class SSHProvider(Provider):
 
 
 # make_job's keywords that the ssh provider takes as its SSHOptions (identity_file=..., ...).
-SSH_OPTIONS = tuple(f.name for f in dataclasses.fields(SSHOptions))
+SSH_OPTIONS = SSHProvider.option_names
 
 
 def check_no_options(kind: str, options: Mapping[str, Any]) -> None:
     """SpeedrunError for options given to a provider that does not take them (`kind`: the
-    provider's, or "given" for a Provider object), saying where each belongs: SSHOptions' fields
-    to provider='ssh', AWSConfig's to provider='aws'; any other is unknown."""
+    provider's, or "given" for a Provider object), saying where each belongs (the provider whose
+    option_names hold it); any other is unknown."""
     if not options:
         return
-    owners = {**{k: "ssh" for k in SSH_OPTIONS}, **{f.name: "aws" for f in dataclasses.fields(AWSConfig)},
-              **{f.name: "slurm" for f in dataclasses.fields(SlurmConfig)}}
-    for owner in ("ssh", "aws", "slurm"):
-        names = sorted(k for k in options if owners.get(k) == owner)
-        if names:
+    for owner, cls in PROVIDERS.items():
+        names = sorted(k for k in options if k in cls.option_names)
+        if names and owner != kind:
             it = "it is an option" if len(names) == 1 else "they are options"
             raise SpeedrunError(f"{', '.join(names)} {'does' if len(names) == 1 else 'do'} not apply to the {kind} "
                                 f"provider: {it} of provider='{owner}' (--provider {owner})")
     unknown = sorted(options)
-    takes = f"its options: {', '.join(SSH_OPTIONS)}" if kind == "ssh" else "it takes none"
+    own = PROVIDERS[kind].option_names if kind in PROVIDERS else ()
+    takes = f"its options: {', '.join(own)}" if own else "it takes none"
     raise SpeedrunError(f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} for the {kind} "
                         f"provider ({takes})")
 
@@ -164,8 +177,42 @@ def _absolute(path: str | os.PathLike | None) -> Path | None:
     return Path(path).expanduser().resolve() if path else None
 
 
-# kind -> Provider class: the one place a new provider is added.
-PROVIDERS: dict[str, type[Provider]] = {p.kind: p for p in (LocalProvider, SSHProvider, AWSProvider, SlurmProvider)}
+def plugins(taken: Collection[str]) -> tuple[list[type[Provider]], dict[str, str]]:
+    """The providers other packages add (entry points in ENTRY_POINTS, each a Provider class whose
+    kind is the entry point's name, not one of `taken`), and for each that cannot be used, why (its
+    name -> one line): such a plugin is left out, and naming it says why, rather than every speedrun
+    command failing."""
+    found, broken = [], {}
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINTS):
+        what = f"the provider plugin {ep.name} ({ep.value})"
+        if ep.name in taken:
+            broken[ep.name] = f"{what} is left out: speedrun has a provider of that name"
+            continue
+        try:
+            cls = ep.load()
+        except Exception as e:  # noqa: BLE001 - any failure of another package's code: it is left out
+            broken[ep.name] = f"{what} cannot be loaded: {one_line(e)}"
+            continue
+        if not (isinstance(cls, type) and issubclass(cls, Provider)) or getattr(cls, "kind", None) != ep.name:
+            broken[ep.name] = f"{what} is not a Provider class whose kind is {ep.name!r}"
+            continue
+        found.append(cls)
+    return found, broken
+
+
+ENTRY_POINTS = "speedrun.providers"
+BUILTIN: tuple[type[Provider], ...] = (LocalProvider, SSHProvider, AWSProvider, SlurmProvider)
+_PLUGINS, UNLOADABLE = plugins({p.kind for p in BUILTIN})
+# kind -> Provider class: the one list of providers, this package's then the plugins'.
+PROVIDERS: dict[str, type[Provider]] = {p.kind: p for p in (*BUILTIN, *_PLUGINS)}
+
+
+DEFAULT_PROVIDER = "ssh when --hosts is given, else local"
+
+
+def default_provider(hosts: Sequence[str]) -> str:
+    """The provider launch uses when none is named (DEFAULT_PROVIDER says it)."""
+    return "ssh" if hosts else "local"
 
 
 def make_provider(provider: str | Provider, job: str, hosts: Sequence[str] = (), ssh: SSHOptions | None = None,
@@ -174,6 +221,8 @@ def make_provider(provider: str | Provider, job: str, hosts: Sequence[str] = (),
     if isinstance(provider, Provider):
         check_no_options("given", options or {})
         return provider
+    if provider not in PROVIDERS and provider in UNLOADABLE:
+        raise SpeedrunError(UNLOADABLE[provider])
     if provider not in PROVIDERS:
         raise SpeedrunError(f"unknown provider {provider!r}: use one of {', '.join(PROVIDERS)}")
     return PROVIDERS[provider].from_args(job, hosts, ssh, config_dir, options or {})
@@ -185,7 +234,8 @@ def provider_from_record(record: dict[str, Any], path: Path | None = None) -> Pr
     where = f"the job record {path}" if path is not None else "a job record"
     kind = record.get("kind")
     if kind not in PROVIDERS:
-        raise SpeedrunError(f"unknown provider {kind!r} in {where}: this speedrun knows {', '.join(PROVIDERS)}")
+        why = f" ({UNLOADABLE[kind]})" if kind in UNLOADABLE else ""
+        raise SpeedrunError(f"unknown provider {kind!r} in {where}: this speedrun knows {', '.join(PROVIDERS)}{why}")
     try:
         return PROVIDERS[kind].from_record(record)
     except (KeyError, TypeError, ValueError) as e:

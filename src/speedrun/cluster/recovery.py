@@ -25,9 +25,10 @@ import shlex
 import time
 from dataclasses import asdict, dataclass
 
-from speedrun.cluster.job import Job
+from speedrun.cluster.host_provider import HostProvider
+from speedrun.cluster.lifecycle import save_record
 from speedrun.cluster.states import TaskStatus
-from speedrun.cluster.lifecycle import replace_task, save_record
+from speedrun.cluster.tmux_job import TmuxJob
 from speedrun.cluster.utils import REACH_TIMEOUT_S, parallel
 from speedrun.errors import SpeedrunError
 from speedrun.files import to_json
@@ -48,10 +49,13 @@ class Recovery:
     price_per_hour: float | None  # $ per hour of all the job's machines (Job.price), None: unknown
 
 
-def watch(job: Job, name: str = "train", *, max_restarts: int = 3, every_s: float = 5.0,
+def watch(job: TmuxJob, name: str = "train", *, max_restarts: int = 3, every_s: float = 5.0,
           resume_flag: str = "--resume") -> list[TaskStatus]:
     """Watch `job`'s `name` command until every task succeeded, recovering as the module says;
     returns the final states. SpeedrunError once `max_restarts` recoveries did not suffice."""
+    if not (isinstance(job, TmuxJob) and isinstance(job.provider, HostProvider)):
+        raise SpeedrunError(f"job {job.name}: recovery moves tasks between hosts, which the {job.provider.kind} "
+                            f"provider's jobs do not have")
     if job.launched is None or job.launched.name != name:
         raise SpeedrunError(f"job {job.name}: nothing named {name!r} was launched by this process to watch")
     restarts = len(past_recoveries(job))  # a watcher started again goes on counting
@@ -74,14 +78,14 @@ def watch(job: Job, name: str = "train", *, max_restarts: int = 3, every_s: floa
         recover(job, name, [s.index for s in lost], why, resume_flag)
 
 
-def past_recoveries(job: Job) -> list[dict]:
+def past_recoveries(job: TmuxJob) -> list[dict]:
     """The recoveries recorded in the run directory so far (by this watcher or an earlier one)."""
     r = job.tasks[0].host.shell(f"cat {shlex.quote(f'{job.run_dir}/{RECOVERIES}')} 2>/dev/null; true",
                                 timeout=REACH_TIMEOUT_S)
     return [json.loads(line) for line in r.text.splitlines() if line.strip().startswith("{")]
 
 
-def recover(job: Job, name: str, lost: list[int], why: str, resume_flag: str) -> Recovery:
+def recover(job: TmuxJob, name: str, lost: list[int], why: str, resume_flag: str) -> Recovery:
     """Stop what still runs, replace the lost tasks' hosts, start every task again (resuming)."""
     start = time.time()
     log.info("job %s: %s; recovering", job.name, why)
@@ -99,7 +103,7 @@ def recover(job: Job, name: str, lost: list[int], why: str, resume_flag: str) ->
     for i in lost:
         old = job.tasks[i].host.name
         host = job.provider.replace(i, len(job))
-        replace_task(job, i, host)
+        job.replace_task(i, host)
         replaced[i] = [old, host.name]
         log.info("job %s: task %d moved from %s to %s", job.name, i, old, host.name)
     save_record(job)

@@ -48,7 +48,7 @@ class JobRecord:
     window: str = "train"  # the command whose state `ls` shows and whose log `logs` prints by default
     # Where the job's watcher runs when not here (controller.py): {"job": the watcher's own job,
     # "home": its speedrun home there, "paths": the provider record's keys that name files here,
-    # "known_hosts": this machine's file for the keys the watcher pins there (reopen.adopt_host_keys)}.
+    # "known_hosts": this machine's file for the keys the watcher pins there (host_provider.adopt_host_keys)}.
     watcher: dict[str, Any] | None = None
     price_per_hour: float | None = None  # $ per machine-hour given with --price-per-hour; None: not given
 

@@ -1,27 +1,16 @@
-"""The command line's AWS side: launch's options for the aws provider (`add_aws_options`, read back
-as AWSConfig's fields by AWS_OPTIONS), the AWS credentials `--watcher-env` refuses to copy
-(`is_aws_secret`), and `speedrun down --all` (`down_all`), which removes everything speedrun made
-in AWS. Like cli.py, it imports the cluster modules only when a command runs, but for the config's
-bounds (config.py imports nothing of AWS's)."""
+"""The aws provider on the command line (AWSProvider declares them): launch's options
+(`add_aws_options`, AWSConfig's fields), `speedrun down --all`'s (`add_down_options`), and the AWS
+credentials `--watcher-env` refuses to copy to a controller (`is_aws_secret`)."""
 from __future__ import annotations
 
 import argparse
-import sys
 
 from speedrun.cluster.aws.config import AUTOSTOP_MIN, DISK_GB
-from speedrun.errors import EXIT_BAD_INPUT, EXIT_FAILED
 from speedrun.inputs import given
 
-# AWSConfig's fields that launch takes as options (default None: AWSConfig's own default).
-AWS_OPTIONS = ("instance_type", "image", "spot", "on_demand_fallback", "placement_group", "efa", "shared_storage",
-               "region",
-               "zone", "disk_gb", "ssh_user", "ssh_cidr", "ssh_cidr_allow_wide", "private_ips", "vpc_cidr",
-               "data_snapshot", "data_s3",
-               "data_mount", "instance_profile", "autostop")
-
-
 def add_aws_options(p: argparse.ArgumentParser) -> None:
-    """launch's options for the aws provider (AWSConfig's fields, AWS_OPTIONS), as a group of their own."""
+    """launch's options for the aws provider (AWSConfig's fields, each under its own name; default
+    None: AWSConfig's own default), as a group of their own."""
     g = p.add_argument_group("aws (instances speedrun starts; see docs/aws.md)")
     g.add_argument("--instance-type", type=given, help="EC2 instance type (default p5.48xlarge)")
     g.add_argument("--image", type=given,
@@ -72,49 +61,8 @@ def is_aws_secret(key: str) -> bool:
         any(word in key for word in ("SECRET", "TOKEN", "PASSWORD"))
 
 
-# Why `down` (a job, or --all) removes nothing when a watcher could not be stopped.
-DOWN_REFUSED = "or that watcher would start the job again where speedrun no longer looks"
-
-
-def down_all(region: str | None, yes: bool) -> int:
-    """Terminate and delete everything speedrun made in AWS, in the regions of recorded AWS jobs
-    and `region` (or the AWS configuration's), after confirmation. The recorded jobs' watchers on
-    controller hosts are stopped first; if one cannot be, nothing is removed (exit status 2)."""
-    from speedrun.cluster import aws, registry
-    from speedrun.cluster.watcher import stop_watcher
-
-    records = [r for r in registry.load_all() if r.provider.get("kind") == "aws"]
-    regions = {r.provider["config"]["region"] for r in records} | {aws.Session(region).region}
-    found = [aws.find_everything(r) for r in sorted(regions)]
-    lines = [line for f in found for line in f.describe()]
-    if lines:
-        print("this terminates and deletes, for good:")
-        for line in lines:
-            print(f"  {line}")
-        if not yes:
-            try:
-                answer = input("type yes to go on: ")
-            except EOFError:
-                answer = ""
-            if answer.strip() != "yes":
-                print("nothing was removed")
-                return EXIT_FAILED
-    # Every watcher before anything goes: one left running would see its tasks lost and start
-    # instances that no record tracks.
-    left = []
-    for r in records:
-        stopped = stop_watcher(r, forget=True)
-        if stopped is not None and not stopped.ok:
-            left.append(stopped.refusal(r.name, f"nothing in AWS was removed, {DOWN_REFUSED}"))
-        elif stopped is not None:
-            print(f"speedrun: job {r.name}: {stopped.line}", file=sys.stderr)
-    if left:
-        for line in left:
-            print(f"speedrun: error: {line}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    for f in found:
-        aws.remove_everything(f)
-    for r in records:
-        registry.forget(r.name)
-    print(f"speedrun has nothing left in AWS ({', '.join(sorted(regions))})")
-    return 0
+def add_down_options(p: argparse.ArgumentParser) -> None:
+    """`speedrun down --all`'s options for AWS."""
+    p.add_argument("--region", type=given,
+                   help="with --all: this AWS region too (default: the regions of recorded jobs and "
+                        "the AWS configuration's)")

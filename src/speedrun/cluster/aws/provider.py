@@ -3,6 +3,7 @@ interface), composing the package's steps: find the job's instances or make the 
 and launch them, reach and prepare them, replace one, bill and end them."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import logging
 import os
@@ -22,8 +23,12 @@ from speedrun.cluster.aws.resources import (Network, caller_cidr, delete_placeme
                                             ensure_network, ensure_placement_group, ensure_rules, ensure_subnet,
                                             find_image, key_path)
 from speedrun.cluster.aws.scripts import prepare_host
+from speedrun.cluster.aws.options import add_aws_options, add_down_options, is_aws_secret
+from speedrun.cluster.aws.teardown import AWSLeftovers
+from speedrun.cluster.host_provider import HostProvider
 from speedrun.cluster.hosts import Host
-from speedrun.cluster.provider import Billing, MachinesLeft, NetworkSpec, Provider
+from speedrun.cluster.provider import Billing, MachinesLeft, NetworkSpec
+from speedrun.cluster.registry import JobRecord
 from speedrun.money import Price
 from speedrun.cluster.ssh import SSHHost, SSHOptions
 from speedrun.cluster.utils import parallel
@@ -33,11 +38,34 @@ from speedrun.spot import IMDS_NOTICE_URL, NOTICE_ENV
 log = logging.getLogger("speedrun.cluster")
 
 
-class AWSProvider(Provider):
+class AWSProvider(HostProvider):
     """EC2 instances for one job; see the package docstring (speedrun.cluster.aws). It composes the
     package's steps: resources.py's, instances.py's, scripts.py's and pricing.py's."""
 
     kind = "aws"
+    option_names = tuple(f.name for f in dataclasses.fields(AWSConfig))
+
+    @classmethod
+    def add_options(cls, parser: argparse.ArgumentParser) -> None:
+        add_aws_options(parser)
+
+    @classmethod
+    def add_down_options(cls, parser: argparse.ArgumentParser) -> None:
+        add_down_options(parser)
+
+    @classmethod
+    def leftovers(cls, args: argparse.Namespace, records: Sequence[JobRecord]) -> AWSLeftovers:
+        """Everything speedrun made in AWS, in the regions of the recorded AWS jobs (`records`) and
+        --region (or the AWS configuration's)."""
+        regions = {r.provider["config"]["region"] for r in records} | {Session(args.region).region}
+        return AWSLeftovers.find(sorted(regions))
+
+    @classmethod
+    def watcher_env_refusal(cls, key: str) -> str | None:
+        if not is_aws_secret(key):
+            return None
+        return ("speedrun does not copy AWS credentials to the controller; give it its own (an instance role, or "
+                "~/.aws there; AWS_SHARED_CREDENTIALS_FILE=PATH names a credentials file on it)")
 
     def __init__(self, job: str, config: AWSConfig, config_dir: str | os.PathLike | None, *, launch: bool):
         self.job, self.config, self.launch = job, config, launch

@@ -1,6 +1,7 @@
 """`speedrun down --all`: everything speedrun made in a region, found by its tag (`find_everything`)
 and removed in dependency order (`remove_everything`): instances, their Elastic IPs, placement
-groups, EFS file systems, the VPC with its subnets, gateway and security group, key pairs."""
+groups, EFS file systems, the VPC with its subnets, gateway and security group, key pairs; for
+several regions at once, `AWSLeftovers` (the provider's `leftovers`)."""
 from __future__ import annotations
 
 import os
@@ -12,6 +13,7 @@ from speedrun.cluster.aws.api import Session, aws_errors, wait_until
 from speedrun.cluster.aws.config import MANAGED, MANAGED_FILTER, tag_value
 from speedrun.cluster.aws.instances import live_instances, terminate
 from speedrun.cluster.aws.resources import Network, find_network, key_path
+from speedrun.cluster.provider import Leftovers
 from speedrun.errors import SpeedrunError
 
 
@@ -95,3 +97,22 @@ def remove_found(s: Session, found: Everything) -> None:
             s.ec2.delete_vpc(VpcId=net.vpc)
         for name in found.key_pairs:
             s.ec2.delete_key_pair(KeyName=name)
+
+
+class AWSLeftovers(Leftovers):
+    """What `speedrun down --all` removes in AWS: everything speedrun made in these regions."""
+
+    def __init__(self, found: list[Everything]):
+        self.found = found
+        self.where = f"AWS ({', '.join(f.region for f in found)})"
+
+    @classmethod
+    def find(cls, regions: list[str]) -> AWSLeftovers:
+        return cls([find_everything(r) for r in regions])
+
+    def describe(self) -> list[str]:
+        return [line for f in self.found for line in f.describe()]
+
+    def remove(self) -> None:
+        for f in self.found:
+            remove_everything(f)

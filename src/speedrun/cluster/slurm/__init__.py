@@ -7,8 +7,9 @@ speedrun job, through Slurm's own clients (docs/slurm.md).
     submit.py    a request checked against the cluster before anything of the job is made
     queue.py     the job's Slurm job: submit, its state, cancel
     scripts.py   the batch script and each node's script: one torchrun per node, requeue on warning
-    provider.py  SlurmProvider, the provider interface
     job.py       SlurmJob: launch, status, wait, logs, kill for a job on Slurm
+    options.py   launch's command-line options for it
+    provider.py  SlurmProvider, the provider interface: its options, and its jobs SlurmJobs
 """
 from speedrun.cluster.slurm.config import SlurmConfig
 from speedrun.cluster.slurm.provider import SlurmProvider

@@ -24,78 +24,80 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence, TextIO
+from typing import Callable, Mapping, Sequence, TextIO
 
 from speedrun import files
 from speedrun.cluster import registry, tmux
 from speedrun.cluster.hosts import LocalHost
-from speedrun.cluster.job import (JOIN_TIMEOUT_S, Job, Launch, StepTimedOut, check_join_timeout,
+from speedrun.cluster.job import (JOIN_TIMEOUT_S, Job, JobSpec, Launch, StepTimedOut, check_join_timeout,
                                   check_nproc_per_node)
+from speedrun.cluster.provider import Provider
 from speedrun.cluster.states import ReportFold, TaskStatus, telling_line
 from speedrun.cluster.slurm.config import SlurmConfig
-from speedrun.cluster.slurm.provider import SlurmProvider
 from speedrun.cluster.slurm.queue import SlurmJobState, active, cancel, job_state, lost_nodes, submit
 from speedrun.cluster.slurm.scripts import array_script, batch_script, command_text, node_script, step_script
 from speedrun.cluster.slurm.submit import check_request
 from speedrun.cluster.task import CommandFailed, Result, Task, check_name, status_code, tmux_message
-from speedrun.cluster.tensorboard import TensorBoard
+from speedrun.cluster.tensorboard import TensorBoard, free_local_port, start_tensorboard
 from speedrun.errors import SpeedrunError
 
 log = logging.getLogger("speedrun.cluster")
 POLL_S = 2.0  # how often wait and logs -f ask Slurm and the run directory, seconds
 
 
-def make_slurm_job(name: str, num_tasks: int, provider: SlurmProvider, *, run_root: str | None, run_name: str,
-                   restart: bool, python: str, setup: str | None, sync: str | os.PathLike | None,
-                   config_dir: str | os.PathLike | None = None) -> SlurmJob:
-    """make_job for provider="slurm": the job found again when its Slurm job is pending or running
-    (reconnected), else the request checked with Slurm (nothing is made for one it refuses) and,
-    with `restart`, that Slurm job cancelled; then a new run directory under `run_root` (default
-    `runs`, from the current directory: a path the nodes see on the shared file system)."""
-    if setup is not None or sync is not None:
+def make_slurm_job(name: str, num_tasks: int, provider: Provider, config: SlurmConfig, spec: JobSpec) -> SlurmJob:
+    """make_job for provider="slurm" (`provider`, whose settings are `config`): the job found again
+    when its Slurm job is pending or running (reconnected), else the request checked with Slurm
+    (nothing is made for one it refuses) and, with spec.restart, that Slurm job cancelled; then a new
+    run directory under spec.run_root (default `runs`, from the current directory: a path the nodes
+    see on the shared file system)."""
+    if spec.setup is not None or spec.sync is not None:
         raise SpeedrunError("the slurm provider takes no setup or sync (--setup, --sync): the nodes see your files "
                             "on the cluster's shared file system, so launch from your working tree there and put "
                             "setup steps in the command")
-    old = registry.recorded(name, config_dir)
+    old = registry.recorded(name, spec.config_dir)
     live = None  # the job's Slurm job, queued or running
-    if old is not None and old.provider.get("kind") == "slurm" and old.num_tasks == num_tasks:
-        job = slurm_job(name, num_tasks, provider, old.run_dir, python=old.python, reconnected=True)
+    if old is not None and old.provider.get("kind") == provider.kind and old.num_tasks == num_tasks:
+        job = slurm_job(name, num_tasks, provider, config, old.run_dir, python=old.python, reconnected=True)
         state = job.slurm_state()
         if state is not None and not state.ended:
-            if not restart:  # Slurm took the request already: what it can run now (a node lost) is no matter
+            if not spec.restart:  # Slurm took the request already: what it can run now (a node lost) is no matter
                 log.info("job %s is queued or running (%s, %s); reconnected without changing it", name,
                          state.describe(), job.run_dir)
                 return job
             live = job, state
-    check_request(provider.config, num_tasks)
+    check_request(config, num_tasks)
     if live is not None:
         log.info("job %s: cancelling %s to start it again", name, live[1].describe())
         live[0].kill()
-    root = os.path.abspath(os.path.expanduser(run_root or "runs"))
-    r = LocalHost().shell(tmux.allocate_run_dir(root, name, run_name))
+    root = os.path.abspath(os.path.expanduser(spec.run_root or "runs"))
+    r = LocalHost().shell(tmux.allocate_run_dir(root, name, spec.run_name))
     fields = tmux.parse_fields(r.text)
     if r.returncode != 0 or "run_dir" not in fields:
         raise SpeedrunError(f"cannot make a run directory under {root}: {tmux_message(r.stderr)}")
-    return slurm_job(name, num_tasks, provider, fields["run_dir"], python=python, reconnected=False)
+    return slurm_job(name, num_tasks, provider, config, fields["run_dir"], python=spec.python, reconnected=False)
 
 
-def slurm_job(name: str, num_tasks: int, provider: SlurmProvider, run_dir: str, *, python: str,
-              reconnected: bool) -> SlurmJob:
+def slurm_job(name: str, num_tasks: int, provider: Provider, config: SlurmConfig, run_dir: str, *, python: str,
+              reconnected: bool, price_per_hour: float | None = None) -> SlurmJob:
     """The SlurmJob of run directory `run_dir` (made, or found again by open_job). Its tasks' files
-    are read here, and commands run where you launch from (as sbatch runs them)."""
-    host, cwd = provider.hosts(1)[0], os.getcwd()
+    are read here, on the shared file system, and commands run where you launch from (as sbatch
+    runs them)."""
+    host, cwd = LocalHost(), os.getcwd()
     tasks = [Task(job=name, index=i, host=host, run_dir=run_dir, cwd=cwd, home=str(Path.home()), ip="",
                   tmux_socket="speedrun") for i in range(num_tasks)]
-    return SlurmJob(name, tasks, run_dir, provider, python=python, reconnected=reconnected)
+    return SlurmJob(name, tasks, run_dir, provider, config, python=python, reconnected=reconnected,
+                    price_per_hour=price_per_hour)
 
 
 class SlurmJob(Job):
     """A Job on Slurm (see the module's text). Tasks' files are read on this machine."""
 
-    def __init__(self, name: str, tasks: list[Task], run_dir: str, provider: SlurmProvider, *, python: str,
-                 reconnected: bool):
-        super().__init__(name, tasks, run_dir, provider, python=python, reconnected=reconnected)
-        self.config: SlurmConfig = provider.config
+    def __init__(self, name: str, tasks: list[Task], run_dir: str, provider: Provider, config: SlurmConfig, *,
+                 python: str, reconnected: bool, price_per_hour: float | None = None):
+        super().__init__(name, tasks, run_dir, provider, python=python, reconnected=reconnected,
+                         price_per_hour=price_per_hour)
+        self.config = config
 
     def machine_count(self) -> int:
         return len(self.tasks)  # one node per task
@@ -220,10 +222,6 @@ class SlurmJob(Job):
             raise CommandFailed(f"{name!r} of job {self.name} (slurm job {job_id})",
                                 status_code(status) if status is not None else "killed", str(output), text)
 
-    def run(self, command: str | Sequence[str], **kwargs: Any) -> list[Any]:
-        raise SpeedrunError(f"job {self.name} is on Slurm: its nodes run what launch submits (one sbatch); "
-                            f"run other commands with srun --jobid <its slurm job> or in the launched command")
-
     def run_each(self, commands: Sequence[str], *, name: str, cwd: str,
                  say: Callable[[str], None] = log.info) -> None:
         """Run independent commands (shell text each) as one Slurm job array, one node per command
@@ -323,7 +321,7 @@ class SlurmJob(Job):
 
     def logs(self, name: str = "train", *, follow: bool = False, out: TextIO | None = None,
              tasks: Sequence[int] | None = None, until: threading.Event | None = None, raw: bool = False) -> list[str]:
-        """Write each task's newest `name` log (see Job.logs); with follow, keep writing as it grows,
+        """Write each task's newest `name` log (see TmuxJob.logs); with follow, keep writing as it grows,
         from one start to the next after a requeue, until the Slurm job has ended or `until` is set."""
         out = out or sys.stdout
         chosen = list(tasks) if tasks is not None else list(range(len(self.tasks)))
@@ -379,10 +377,10 @@ class SlurmJob(Job):
 
     def tensorboard(self, local_port: int | None = None, timeout: float = 120.0) -> TensorBoard:
         """TensorBoard on this machine, over the run directory it sees on the shared file system (see
-        Job.tensorboard), in a tmux session of task 0 here: `speedrun tb JOB` as for any job."""
+        TmuxJob.tensorboard), in a tmux session of task 0 here: `speedrun tb JOB` as for any job."""
         t = self.tasks[0]
         t._shell(tmux.new_session(t.tmux_socket, t.session, self.name, self.run_dir, t.logdir, t.cwd, replace=False))
-        return super().tensorboard(local_port, timeout)
+        return start_tensorboard(t, self.run_dir, self.python, free_local_port(), local_port, timeout)
 
     def attach_argv(self, task: int = 0, window: str | None = None) -> list[str]:
         """The command line that puts this terminal in a tmux session on task `task`'s node, inside
