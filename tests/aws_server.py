@@ -67,6 +67,7 @@ class Fault:
     code: str | None  # None: the reply is not AWS's at all (`garble`)
     zone: str | None  # only calls placing instances in this zone; None: any
     market: str | None  # "spot" / "on-demand": only such launches; None: any
+    times: int | None = None  # answer this many matching calls so, then none; None: every one
 
 
 class AWSTestServer:
@@ -139,9 +140,11 @@ class AWSTestServer:
         return boto3.client(service, region_name=REGION, endpoint_url=self.endpoint, aws_access_key_id="testing",
                             aws_secret_access_key="testing")
 
-    def fail(self, action: str, code: str, *, zone: str | None = None, market: str | None = None) -> None:
-        """Answer `action` with the AWS error `code` from now on (where zone/market match)."""
-        self.faults.append(Fault(action, code, zone, market))
+    def fail(self, action: str, code: str, *, zone: str | None = None, market: str | None = None,
+             times: int | None = None) -> None:
+        """Answer `action` with the AWS error `code` from now on (where zone/market match): every
+        time, or the next `times` times only (capacity that comes back)."""
+        self.faults.append(Fault(action, code, zone, market, times))
 
     def garble(self, action: str) -> None:
         """Answer `action` from now on as a failing proxy in front of AWS would: HTTP 502 and an
@@ -181,6 +184,10 @@ class AWSTestServer:
             self.calls.append(action)
             self.requests.append((action, params))
         fault = next((f for f in self.faults if self._matches(f, action, params)), None)
+        if fault is not None and fault.times is not None:
+            fault.times -= 1
+            if fault.times == 0:
+                self.faults.remove(fault)
         if fault is not None and fault.code is None:
             # Not "<html>..." (botocore reads that as a bare HTTP error) and not XML either (<br>).
             start_response("502 Bad Gateway", [("Content-Type", "text/html")])

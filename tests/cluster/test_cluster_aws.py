@@ -440,6 +440,8 @@ def test_a_replacement_stays_in_the_jobs_zone_and_goes_to_another_when_it_has_no
 
 @pytest.mark.slow
 def test_an_instance_terminated_mid_run_is_replaced_in_another_zone_and_the_run_finishes(aws, efs_mount, job_name):
+    """...once that zone has capacity again: it refuses the replacement twice, and the watcher tries again
+    with backoff (--recover-wait)."""
     from cli_run import wait_for
     from speedrun.track import read_jsonl
     from test_cluster_recovery import start_watch
@@ -447,10 +449,11 @@ def test_an_instance_terminated_mid_run_is_replaced_in_another_zone_and_the_run_
     home, other, opts = two_zones(aws)
     job = make_job(job_name, 2, **{**opts, "shared_storage": True, "efs_mount": efs_mount})
     job.launch([*TRAIN, "--epochs", "8", "--out", job.run_dir], env=ONE_THREAD)
-    thread, outcome = start_watch(job)
+    thread, outcome = start_watch(job, recover_wait_s=60)  # tries again after 3.75 s, then 7.5 s
     wait_for(lambda: Path(job.run_dir, "checkpoint.pt").exists(), 300, "the first checkpoint")
     old = task_instance(aws, job_name, 1)
     aws.fail("RunInstances", "InsufficientInstanceCapacity", zone=home)  # the job's zone is full now
+    aws.fail("RunInstances", "InsufficientInstanceCapacity", zone=other, times=2)  # the other one, twice
     aws.client().terminate_instances(InstanceIds=[old["InstanceId"]])  # as a spot reclaim would
     thread.join(timeout=900)
     try:
@@ -461,13 +464,18 @@ def test_an_instance_terminated_mid_run_is_replaced_in_another_zone_and_the_run_
                 and job[1].ip == new["PrivateIpAddress"] != old["PrivateIpAddress"])
         # Trained on across the two zones' subnets.
         assert (old["Placement"]["AvailabilityZone"], new["Placement"]["AvailabilityZone"]) == (home, other)
-        (event,) = read_jsonl(Path(job.run_dir) / "recoveries.jsonl")
+        # Both refusals are recorded, with the waits between the tries, then the recovery itself.
+        *refusals, event = read_jsonl(Path(job.run_dir) / "recoveries.jsonl")
+        assert [(r["kind"], r["task"], r["attempt"], r["next_try_in_s"]) for r in refusals] == [
+            ("no_capacity", 1, 1, 3.75), ("no_capacity", 1, 2, 7.5)]
+        assert all("InsufficientInstanceCapacity" in r["reason"] or "no capacity" in r["reason"] for r in refusals)
+        assert event["kind"] == "lost_host"
         assert event["replaced"] == {"1": [f"root@{old['PrivateIpAddress']}", f"root@{new['PrivateIpAddress']}"]}
         results = json.loads(Path(job.run_dir, "results.json").read_text())
-        assert results["status"] == "finished" and results["epochs_run"] == 8 and len(results["recoveries"]) == 1
+        assert results["status"] == "finished" and results["epochs_run"] == 8 and len(results["recoveries"]) == 3
         # What the loss cost at two c5.large's on-demand price, $0.17 an hour (the table's: the Price
         # List API lists none here), and the run's cost includes it.
-        assert results["recoveries"][0]["price_per_hour"] == pytest.approx(0.17)
+        assert results["recoveries"][-1]["price_per_hour"] == pytest.approx(0.17)
         assert results["lost_usd"] == pytest.approx(results["lost_s"] * 0.17 / 3600) and results["lost_usd"] > 0
         assert results["price"]["source"].startswith("on-demand table of ")
         assert results["billed_s"] == pytest.approx(results["total_s"] + results["lost_s"])

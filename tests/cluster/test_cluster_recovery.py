@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -20,14 +21,14 @@ pytestmark = [pytest.mark.netns, pytest.mark.slow]
 EPOCHS = 4  # the tiny recipe's own: the host is lost after the first epoch's checkpoint, with three to train
 
 
-def start_watch(job, max_restarts: int = 3) -> tuple[threading.Thread, dict]:
+def start_watch(job, max_restarts: int = 3, recover_wait_s: float = 3600.0) -> tuple[threading.Thread, dict]:
     """recovery.watch(job) on a thread of its own, as `speedrun launch --recover` runs it; the
     dict gets its "states" or its "error"."""
     outcome: dict = {}
 
     def watcher() -> None:
         try:
-            outcome["states"] = watch(job, every_s=0.5, max_restarts=max_restarts)
+            outcome["states"] = watch(job, every_s=0.5, max_restarts=max_restarts, recover_wait_s=recover_wait_s)
         except BaseException as e:  # noqa: BLE001 - reported by the test
             outcome["error"] = e
     thread = threading.Thread(target=watcher)
@@ -54,7 +55,7 @@ def test_a_lost_host_is_replaced_by_the_spare_and_the_run_finishes(three_hosts, 
     lost, spare = three_hosts.hosts[1], three_hosts.hosts[2]
     job = make_job(job_name, 2, provider="ssh", hosts=three_hosts.specs, ssh=ssh, run_root=runs)  # the 3rd: spare
     job.launch([*train, "--out", job.run_dir], env=ONE_THREAD)
-    thread, outcome = start_watch(job)
+    thread, outcome = start_watch(job, max_restarts=0)  # a lost machine is no failure of the command
     wait_for(lambda: Path(job.run_dir, "checkpoint.pt").exists(), 300, "the first checkpoint")
     three_hosts.remove_host(lost)  # the machine is gone: sshd, the training process, its network
     thread.join(timeout=900)
@@ -64,6 +65,7 @@ def test_a_lost_host_is_replaced_by_the_spare_and_the_run_finishes(three_hosts, 
         assert job[1].host.name == spare.spec
         (event,) = read_jsonl(Path(job.run_dir) / "recoveries.jsonl")
         assert event["replaced"] == {"1": [lost.spec, spare.spec]} and event["resumed"]
+        assert event["kind"] == "lost_host"
         assert "task 1" in event["reason"] and "unreachable" in event["reason"]
 
         results = [json.loads(Path(d, "results.json").read_text()) for d in (base.run_dir, job.run_dir)]
@@ -97,6 +99,52 @@ def test_launch_recover_starts_an_ended_job_again_and_gives_up_after_max_restart
     # each failure says why, from the task's log
     assert ("gave up after 1 recoveries: task 0 (local) failed (1): cannot read /data/x: no such directory"
             in capsys.readouterr().err)
+
+
+def test_a_run_stopped_at_a_step_is_resumed_without_counting_as_a_failure(local_job, tmp_path):
+    """A run that stopped at a step (results.json says "stopped": a spot notice, a stop request;
+    its workers exit 75, torchrun 1) is a preemption: started again with --resume even when no
+    failure may be (max_restarts=0)."""
+    stopping = tmp_path / "stopping.py"  # stops at a step on its first run, as a spot notice makes it
+    stopping.write_text("import json, os, pathlib, sys\n"
+                        "results = pathlib.Path(os.environ['SPEEDRUN_RUN_DIR']) / 'results.json'\n"
+                        "if not results.exists():\n"
+                        "    results.write_text(json.dumps({'status': 'stopped'}))\n    sys.exit(75)\n"
+                        "print('resumed' if '--resume' in sys.argv else 'started afresh')\n")
+    job = local_job()
+    Path(job.run_dir, "checkpoint.pt").write_text("a checkpoint, as the stopped run left one")
+    job.launch([str(stopping)])
+    thread, outcome = start_watch(job, max_restarts=0)
+    thread.join(timeout=300)
+    assert [s.state for s in outcome.get("states", [])] == ["succeeded"], outcome
+    (event,) = read_jsonl(Path(job.run_dir) / "recoveries.jsonl")
+    assert event["kind"] == "preemption" and event["resumed"] and "task 0 (local) failed" in event["reason"]
+    assert "resumed" in job[0].command("train").output().splitlines()
+
+
+def test_ls_shows_a_watcher_waiting_for_capacity_and_one_that_gave_up(local_job, capsys):
+    from speedrun.cli import main
+
+    job = local_job(num_tasks=2)
+    recoveries = Path(job.run_dir, "recoveries.jsonl")
+    refusal = {"at": 1_700_000_000.0, "task": 1, "attempt": 2, "reason": "AWS has no capacity for 1 x c5.large",
+               "next_try_in_s": 7.5, "kind": "no_capacity"}
+    recoveries.write_text(json.dumps({"kind": "lost_host", "reason": "task 1 unreachable"}) + "\n" +
+                          json.dumps(refusal) + "\n")
+    assert main(["ls", job.name]) == 0
+    said = [ln.strip() for ln in capsys.readouterr().out.splitlines() if "recovery:" in ln]
+    assert said == [f"{job.name}: recovery: no capacity to replace task 1 (try 2: AWS has no capacity for 1 x "
+                    f"c5.large); trying again 8 s after {time.strftime('%H:%M:%S', time.localtime(refusal['at']))}"]
+    with recoveries.open("a") as f:
+        f.write(json.dumps({**refusal, "attempt": 3, "next_try_in_s": None}) + "\n")
+    assert main(["ls", job.name]) == 0
+    said = [ln.strip() for ln in capsys.readouterr().out.splitlines() if "recovery:" in ln]
+    assert said == [f"{job.name}: recovery: no capacity to replace task 1 (try 3: AWS has no capacity for 1 x "
+                    f"c5.large); gave up (--recover-wait spent)"]
+    with recoveries.open("a") as f:
+        f.write(json.dumps({"kind": "lost_host", "reason": "replaced at last"}) + "\n")
+    assert main(["ls", job.name]) == 0
+    assert "recovery:" not in capsys.readouterr().out
 
 
 def test_a_watcher_started_again_takes_over_and_counts_earlier_recoveries(local_job, tmp_path):

@@ -118,7 +118,12 @@ def add_launch_options(p: argparse.ArgumentParser) -> None:
                    help="watch the job until it ends (as --wait) and keep it going: replace lost hosts (ssh: the "
                         "spare hosts listed beyond the tasks; aws: new instances) and resume from the checkpoint")
     p.add_argument("--max-restarts", type=Bound(int, 0, 1000), default=3,
-                   help="with --recover: at most this many recoveries (default 3)")
+                   help="with --recover: restart the command at most this many times after it failed (default 3); "
+                        "lost machines and preemptions are recovered apart, without counting")
+    p.add_argument("--recover-wait", type=Bound(float, 0, 7 * 86_400), default=None, metavar="SECONDS",
+                   help="with --recover: how long to keep asking for a machine to replace a lost one when the "
+                        "provider has none (no capacity), with exponential backoff: the first try again after "
+                        "min(30 s, 1/16 of this), each wait twice the last, at most 5 minutes (default 3600)")
     p.add_argument("--price-per-hour", type=USD_PER_HOUR, metavar="USD",
                    help="what one machine costs per hour, for runs to record what they cost (results.json); "
                         "any provider, ahead of AWS's prices (default: AWS's, else none)")
@@ -148,6 +153,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from speedrun.cluster.states import summary
     from speedrun.cluster.lifecycle import make_job, save_record
     from speedrun.cluster.providers import default_provider, make_provider
+    from speedrun.cluster.recovery import RECOVER_WAIT_S
     from speedrun.cluster.ssh import HostSpec, SSHOptions
     from speedrun.cluster.task import check_name
 
@@ -174,6 +180,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
     join_timeout_s = JOIN_TIMEOUT_S if args.join_timeout is None else args.join_timeout
     # What job.launch would refuse, refused before make_job makes the sessions, run directory and record.
     check_name(args.window, "--window")
+    if args.recover_wait is not None and not args.recover:
+        raise SpeedrunError("--recover-wait needs --recover (it says how long recovery waits for capacity)")
+    recover_wait_s = RECOVER_WAIT_S if args.recover_wait is None else args.recover_wait
     if args.watcher_host is not None and not args.recover:
         raise SpeedrunError("--watcher-host needs --recover (it says where the recovering watcher runs)")
     watcher_host = None if args.watcher_host is None else str(HostSpec.parse(args.watcher_host))
@@ -225,14 +234,15 @@ def cmd_launch(args: argparse.Namespace) -> int:
           f"  stop:   speedrun kill {job.name}")
     if watcher_host is not None:
         from speedrun.cluster.controller import start_watcher
-        watcher = start_watcher(job, watcher_host, ssh_options, max_restarts=args.max_restarts, python=args.python,
+        watcher = start_watcher(job, watcher_host, ssh_options, max_restarts=args.max_restarts,
+                                recover_wait_s=recover_wait_s, python=args.python,
                                 env=watcher_env)
         print(f"job {job.name}: watched from {watcher_host}, not from here (this process may end):\n"
               f"  watcher: speedrun logs {watcher.name}   (speedrun kill {job.name} stops it too)")
         return 0
     if args.recover:
         from speedrun.cluster.recovery import watch
-        watch(job, args.window, max_restarts=args.max_restarts)
+        watch(job, args.window, max_restarts=args.max_restarts, recover_wait_s=recover_wait_s)
         print(f"job {job.name}: every task succeeded; recoveries, if any, are in {job.run_dir}/recoveries.jsonl")
         return 0
     if not (args.follow or args.wait):
@@ -298,6 +308,7 @@ def format_uptime(seconds: float | None) -> str:
 def cmd_ls(args: argparse.Namespace) -> int:
     from speedrun.cluster import registry
     from speedrun.cluster.states import summary
+    from speedrun.cluster.recovery import waiting_line
     from speedrun.cluster.reopen import open_job
 
     check_window(args.window)
@@ -320,9 +331,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
         line = summary(states)
         if line:
             why.append(f"{rec.name}: {line}")
-        scheduler = job.scheduler_line()
-        if scheduler:
-            why.append(f"{rec.name}: {scheduler}")
+        for line in (job.scheduler_line(), waiting_line(job)):
+            if line:
+                why.append(f"{rec.name}: {line}")
         why += [f"{rec.name} task {st.index}: {st.error}" for st in states if st.error]
         b = job.provider.billing()
         if b is not None:

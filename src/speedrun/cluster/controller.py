@@ -43,7 +43,8 @@ from speedrun.cluster.job import Job, Launch
 from speedrun.cluster.states import TaskStatus
 from speedrun.cluster.tmux_job import HostSetup, TmuxJob
 from speedrun.cluster.lifecycle import make_job
-from speedrun.cluster.recovery import watch
+from speedrun.cluster.providers import default_provider
+from speedrun.cluster.recovery import RECOVER_WAIT_S, watch
 from speedrun.cluster.reopen import open_job
 from speedrun.cluster.ssh import SSHOptions
 from speedrun.cluster.utils import REACH_TIMEOUT_S
@@ -63,7 +64,8 @@ def watcher_name(job: str) -> str:
     return f"{job}-watcher"
 
 
-def start_watcher(job: TmuxJob, host: str, ssh: SSHOptions | None, *, max_restarts: int, python: str = "python3",
+def start_watcher(job: TmuxJob, host: str, ssh: SSHOptions | None, *, max_restarts: int,
+                  recover_wait_s: float = RECOVER_WAIT_S, python: str = "python3",
                   env: dict[str, str] | None = None) -> Job:
     """Start `job`'s watcher on `host` (user@host[:port], reached with `ssh`) with `env` added to
     its environment there, as the module says. One that runs there already is left alone when it
@@ -74,13 +76,13 @@ def start_watcher(job: TmuxJob, host: str, ssh: SSHOptions | None, *, max_restar
         raise SpeedrunError(f"job {job.name}: only the process that made and launched it can start its watcher")
 
     def make(restart: bool) -> Job:
-        return make_job(watcher_name(job.name), 1, hosts=[host], ssh=ssh,  # the provider for given hosts
+        return make_job(watcher_name(job.name), 1, provider=default_provider([host]), hosts=[host], ssh=ssh,
                         run_root=f"{WATCHERS}/runs", python=python, restart=restart)
     watcher = make(restart=False)
     task = watcher[0]
     base = f"{task.home}/{WATCHERS}/{job.name}"
     home = f"{base}/home"
-    spec = {"launch": dataclasses.asdict(job.launched), "max_restarts": max_restarts,
+    spec = {"launch": dataclasses.asdict(job.launched), "max_restarts": max_restarts, "recover_wait_s": recover_wait_s,
             "host_setup": {**dataclasses.asdict(job.host_setup), "sync": job.host_setup.sync is not None}}
     running = task.command(WINDOW)
     if running is not None and running.state() == "running":
@@ -174,4 +176,5 @@ def watch_recorded(name: str, *, check: bool = False) -> list[TaskStatus]:
     code = path.parents[2] / "code"  # <base>/home/watch/<job>.json -> <base>/code
     job.host_setup = HostSetup(hs["tmux_socket"], hs["host_dir"], code if hs["sync"] else None,
                                tuple(hs["sync_exclude"]), hs["setup"])
-    return watch(job, job.launched.name, max_restarts=spec["max_restarts"])
+    return watch(job, job.launched.name, max_restarts=spec["max_restarts"],
+                 recover_wait_s=spec.get("recover_wait_s", RECOVER_WAIT_S))  # none in an older watcher's spec

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 from speedrun.cluster import registry
 from speedrun.cluster.job import DEFAULT_SYNC_EXCLUDE, Job, JobSpec
 from speedrun.cluster.provider import MachinesLeft, Provider
-from speedrun.cluster.providers import default_provider, make_provider
+from speedrun.cluster.providers import DEFAULT_KIND, make_provider
 from speedrun.cluster.ssh import SSHOptions
 from speedrun.cluster.task import check_name
 from speedrun.cluster.watcher import stop_watcher_for_new_run
@@ -40,7 +40,7 @@ def make_job(name: str, num_tasks: int = 1, *, provider: str | Provider | None =
         speedrun starts; `options` are AWSConfig's: instance_type, spot, region, ...), "slurm" (num_tasks
         nodes of a Slurm cluster, one Slurm job submitted by launch; `options` are SlurmConfig's:
         partition, gpus_per_node, time, ...; see docs/slurm.md), another in providers.PROVIDERS, or a
-        Provider. None: ssh when `hosts` are given, else local (providers.default_provider).
+        Provider. None: local (providers.DEFAULT_KIND), which refuses hosts, naming ssh.
     run_root: where run directories go, `<run_root>/<name>/<run_name>.<NN>`; for several hosts, a path
         they all see (NFS, EFS...). Relative: from the current directory (local) or the home (ssh).
         None: the provider's shared storage (aws: <efs_mount>/runs), else "runs".
@@ -71,8 +71,7 @@ def make_job(name: str, num_tasks: int = 1, *, provider: str | Provider | None =
         raise SpeedrunError(f"sync directory {sync} does not exist")
     if price_per_hour is not None:
         check_price(price_per_hour, "price_per_hour")
-    prov = make_provider(default_provider(hosts) if provider is None else provider, name, hosts, ssh, config_dir,
-                         options)
+    prov = make_provider(DEFAULT_KIND if provider is None else provider, name, hosts, ssh, config_dir, options)
     # A watcher elsewhere still watching the old run would take the new one's sessions for its
     # own lost tasks and start them again; the new run's record has no watcher.
     spec = JobSpec(run_root=run_root, run_name=run_name, setup=setup,

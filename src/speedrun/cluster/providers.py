@@ -207,12 +207,13 @@ _PLUGINS, UNLOADABLE = plugins({p.kind for p in BUILTIN})
 PROVIDERS: dict[str, type[Provider]] = {p.kind: p for p in (*BUILTIN, *_PLUGINS)}
 
 
-DEFAULT_PROVIDER = "ssh when --hosts is given, else local"
+DEFAULT_KIND = LocalProvider.kind  # make_job's provider when none is named
+DEFAULT_PROVIDER = "ssh when --hosts is given, else local"  # launch's, as its --help says
 
 
 def default_provider(hosts: Sequence[str]) -> str:
     """The provider launch uses when none is named (DEFAULT_PROVIDER says it)."""
-    return "ssh" if hosts else "local"
+    return SSHProvider.kind if hosts else DEFAULT_KIND
 
 
 def make_provider(provider: str | Provider, job: str, hosts: Sequence[str] = (), ssh: SSHOptions | None = None,

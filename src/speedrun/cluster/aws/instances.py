@@ -17,6 +17,7 @@ from speedrun.cluster.aws.efa import TypeNetwork, efa_interfaces
 from speedrun.cluster.aws.pricing import quota_message
 from speedrun.cluster.aws.resources import Network, ensure_subnet
 from speedrun.cluster.hosts import AbsentHost, Host
+from speedrun.cluster.provider import NoCapacity
 from speedrun.cluster.ssh import HostSpec, SSHHost, SSHOptions
 from speedrun.errors import SpeedrunError
 
@@ -149,10 +150,10 @@ def launch(s: Session, config: AWSConfig, job: str, tasks: list[int], zones: lis
         if market == "spot" and len(markets) > 1:
             log.info("no spot capacity for %d x %s in %s; trying on-demand", n, c.instance_type, ", ".join(tried))
     if c.spot and not c.on_demand_fallback:
-        raise SpeedrunError(f"no spot capacity for {n} x {c.instance_type} in {s.region} (tried {', '.join(tried)}); "
+        raise NoCapacity(f"no spot capacity for {n} x {c.instance_type} in {s.region} (tried {', '.join(tried)}); "
                             f"try later or another region, or allow on-demand (on_demand_fallback=True, "
                             f"--on-demand-fallback)")
-    raise SpeedrunError(f"AWS has no capacity for {n} x {c.instance_type} in {s.region} now (tried "
+    raise NoCapacity(f"AWS has no capacity for {n} x {c.instance_type} in {s.region} now (tried "
                         f"{', '.join(tried)}); try later, another region or zone, or fewer instances")
 
 
