@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Sequence
 
 from speedrun.cluster.registry import JobRecord
 from speedrun.cluster.ssh import SSHOptions
-from speedrun.errors import EXIT_FAILED, SpeedrunError
+from speedrun.errors import SpeedrunError
 from speedrun.money import Price
 
 if TYPE_CHECKING:  # annotations only: jobs hold their provider, so job.py imports this module
@@ -44,9 +44,7 @@ class MachinesLeft(SpeedrunError):
 class NoCapacity(SpeedrunError):
     """The provider has no machine to give now (a cloud's InsufficientInstanceCapacity, no spot
     capacity in any zone tried), though it may later: recovery waits and tries again
-    (`--recover-wait`); elsewhere it is the world's failure, not the input's (exit 3)."""
-
-    exit_code = EXIT_FAILED
+    (`--recover-wait`); a launch says so in one line (exit 2, as before there was recovery to wait)."""
 
 
 @dataclass

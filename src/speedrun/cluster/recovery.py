@@ -107,7 +107,7 @@ def watch(job: TmuxJob, name: str = "train", *, max_restarts: int = 3, every_s: 
         # after a recovery must say why, not only "failed (1)".
         why = "; ".join(f"task {s.index} ({s.host}) {s.state}" + (f": {s.error or s.why}" if s.error or s.why else "")
                         for s in lost + ended)
-        kind = "lost_host" if lost else "preemption" if stopped_at_a_step(job) else COUNTED
+        kind = "lost_host" if lost else "preemption" if stopped_at_a_step(job, name) else COUNTED
         if kind == COUNTED:
             if restarts >= max_restarts:
                 raise SpeedrunError(f"job {job.name}: gave up after {restarts} recoveries: {why}")
@@ -115,15 +115,20 @@ def watch(job: TmuxJob, name: str = "train", *, max_restarts: int = 3, every_s: 
         recover(job, name, [s.index for s in lost], why, resume_flag, kind=kind, recover_wait_s=recover_wait_s)
 
 
-def stopped_at_a_step(job: TmuxJob) -> bool:
-    """Whether the run in the job's run directory stopped at a step (its results.json says so: a
-    spot notice, SIGTERM or a stop request), which torchrun reports as a failure of its own (exit 1)
-    though its workers exit 75. False when that cannot be read."""
-    r = job.tasks[0].host.shell(f"cat {shlex.quote(f'{job.run_dir}/results.json')} 2>/dev/null; true",
-                                timeout=REACH_TIMEOUT_S)
+def stopped_at_a_step(job: TmuxJob, name: str) -> bool:
+    """Whether the run in the job's run directory stopped at a step (a spot notice, SIGTERM or a stop
+    request), which torchrun reports as a failure of its own (exit 1) though its workers exit 75:
+    its results.json says "stopped" and was written by this launch of `name` (newer than task 0's
+    command.sh; a resumed run killed outright leaves the last one's). False when unknown."""
     try:
+        command = job.tasks[0].command(name, timeout=REACH_TIMEOUT_S)
+        if command is None:
+            return False
+        results, started = shlex.quote(f"{job.run_dir}/results.json"), shlex.quote(f"{command.dir}/command.sh")
+        r = job.tasks[0].host.shell(f"if [ {results} -nt {started} ]; then cat {results}; fi; true",
+                                    timeout=REACH_TIMEOUT_S)
         return json.loads(r.text).get("status") == "stopped"
-    except (ValueError, AttributeError):
+    except (SpeedrunError, ValueError, AttributeError):
         return False
 
 
