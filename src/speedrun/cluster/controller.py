@@ -24,7 +24,7 @@ directory's, as everywhere: started again, it counts the recoveries already made
 
 When the watcher replaces a host, the record it changes is the controller's; `open_job` here
 takes the provider's part of it from there (reopen.refreshed), so `speedrun ls | logs | kill` find the
-job where it now runs, and the host keys the controller pinned for the job's hosts (reopen.adopt_host_keys:
+job where it now runs, and the host keys the controller pinned for the job's hosts (host_provider.adopt_host_keys:
 a replacement's key is learned there, on first contact). `speedrun kill` and `speedrun down` stop
 the watcher first.
 """
@@ -122,7 +122,7 @@ def start_watcher(job: TmuxJob, host: str, ssh: SSHOptions | None, *, max_restar
     log.info("job %s: its watcher runs on %s (speedrun logs %s)", job.name, task.host.name, watcher.name)
     job_record = registry.load(job.name)
     paths = sorted(k for k in record if record[k] != original.get(k))
-    # The controller's known_hosts (relative to its home) and this machine's: reopen.adopt_host_keys.
+    # The controller's known_hosts (relative to its home) and this machine's: host_provider.adopt_host_keys.
     registry.save(dataclasses.replace(job_record, watcher={"job": watcher.name, "home": home, "paths": paths,
                                                            "known_hosts": str(copies["known_hosts"])}))
     registry.save(dataclasses.replace(registry.load(watcher.name), window=WINDOW))
