@@ -213,11 +213,8 @@ def waiting_line(job: Job) -> str | None:
     if not isinstance(job, TmuxJob):
         return None
     try:
-        r = job.tasks[0].host.shell(f"tail -n 1 {shlex.quote(f'{job.run_dir}/{RECOVERIES}')} 2>/dev/null; true",
-                                    timeout=REACH_TIMEOUT_S)
-        last = json.loads(r.text) if r.text.strip().startswith("{") else {}
-    except (SpeedrunError, ValueError):
+        done = past_recoveries(job)
+        last = done[-1] if done else {}
+        return CapacityWait(**last).line() if last.get("kind") == "no_capacity" else None
+    except (SpeedrunError, ValueError, TypeError):  # unreadable now, or a line of another shape: no line
         return None
-    if last.get("kind") != "no_capacity":
-        return None
-    return CapacityWait(**last).line()

@@ -397,7 +397,7 @@ class TmuxJob(Job):
 
     def record_fields(self) -> dict[str, Any]:
         hs = self.host_setup
-        return {"cwd": None if hs is None or hs.sync is None else f"{hs.host_dir.rstrip('/')}/code/{self.name}",
+        return {"cwd": None if hs is None or hs.sync is None else code_dir(hs, self.name),
                 "tmux_socket": self.tasks[0].tmux_socket}
 
     def replace_task(self, index: int, host: Host) -> Task:
@@ -420,8 +420,13 @@ def setup_mark_of(hs: HostSetup, job: str) -> str:
     return f"{hs.host_dir.rstrip('/')}/setup/{job}.sha256"
 
 
+def code_dir(hs: HostSetup, job: str) -> str:
+    """Where a host keeps `job`'s synced code (`~` or absolute, as host_dir is)."""
+    return f"{hs.host_dir.rstrip('/')}/code/{job}"
+
+
 def make_task(job: str, index: int, host: Host, probe: TaskProbe, run_dir: str, hs: HostSetup, last_seq: int) -> Task:
-    code = resolve(f"{hs.host_dir.rstrip('/')}/code/{job}", probe.home, host.is_local)
+    code = resolve(code_dir(hs, job), probe.home, host.is_local)
     return Task(job=job, index=index, host=host, run_dir=run_dir,
                 cwd=code if hs.sync is not None else f"{run_dir}/task-{index}",
                 home=probe.home, ip=probe.ip, tmux_socket=hs.tmux_socket, last_seq=last_seq)
