@@ -261,3 +261,18 @@ def test_a_recipe_on_twice_its_devices_does_not_diverge(tmp_path, tiny_one_epoch
     results[2] = json.loads((out / "results.json").read_text())["final"]
     assert results[2]["loss"] < 2 * results[1]["loss"], results
     assert results[2]["top1"] > results[1]["top1"] - 0.2, results
+
+
+@pytest.mark.parametrize("message", [
+    "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error [10.0.0.2]:41234: Connection reset by peer",
+    # gloo's pair timing out on a peer that stopped answering: no source location before it (seen in
+    # CI's run of test_failures_train.py's SIGSTOPped peer: an internal error, not exit 3)
+    "Application timeout caused pair closure",
+])
+def test_a_gloo_failure_is_a_peer_failure_with_or_without_its_source_location(message):
+    from speedrun.dist import collective_failed, peer_failure
+
+    ctx = DistContext(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"))
+    assert collective_failed(RuntimeError(message), ctx)
+    assert not collective_failed(RuntimeError("mat1 and mat2 shapes cannot be multiplied"), ctx)
+    assert peer_failure(RuntimeError(message), ctx).startswith("a collective failed: another rank probably died (")

@@ -25,6 +25,8 @@ DEFAULT_TIMEOUT_S = 300
 # Read error [10.0.0.2]:41234: Connection reset by peer. ..."), and torch passes them on as plain
 # RuntimeErrors, from DDP's buffer broadcast, its gradient all-reduce and any collective's wait.
 GLOO_ERROR = re.compile(r"^\[[^\]]*gloo[^\]]*\]\s*")
+# ... except this one: a pair that timed out waiting for a peer that stopped answering.
+GLOO_TIMEOUT = "Application timeout caused pair closure"
 PEER_ADDRESS = re.compile(r"\[([0-9A-Fa-f:.]+)\]:\d+")  # the other end of a gloo connection
 PEER_DIED = "probably died"  # in peer_failure's line: the launcher recognises collateral failures by it
 
@@ -128,10 +130,11 @@ def collective_failed(error: BaseException, ctx: DistContext) -> bool:
     """Whether `error` is a collective that failed because a peer went away (its process died,
     its host went down or was cut off, or it stopped answering until the timeout), rather than a
     bug: a DistError (NCCL, the store), or a RuntimeError that gloo raised (by its message's
-    source location; torch does not wrap those). Only under a process group."""
+    source location, or its timeout's words; torch does not wrap those). Only under a process group."""
     if not ctx.distributed or not isinstance(error, RuntimeError):
         return False
-    return isinstance(error, dist.DistError) or GLOO_ERROR.match(str(error)) is not None
+    return (isinstance(error, dist.DistError) or GLOO_ERROR.match(str(error)) is not None
+            or str(error).startswith(GLOO_TIMEOUT))
 
 
 def peer_failure(error: BaseException, ctx: DistContext) -> str:
