@@ -87,6 +87,17 @@ restarts=${{SLURM_RESTART_COUNT:-0}}
 output="$slurm_dir/slurm-$SLURM_JOB_ID.out"
 say() {{ printf 'speedrun: %s\\n' "$*"; }}
 now() {{ date +%s.%N; }}
+rm -f "$run_dir/stop"  # a request the last start did not get to handle
+# Slurm's warning may come at any moment of a start, before the run has started too (a limit already
+# near when the job starts): bash's default for USR1 is to die, so the trap comes before anything
+# else runs. The run, once started, sees the stop file and stops after its first step.
+warned=
+warn() {{
+    warned=$(now)
+    say "Slurm warns that the time limit is near: asking the run to stop at a step"
+    touch "$run_dir/stop"
+}}
+trap warn USR1
 run_status() {{  # results.json's status (empty without one)
     "$python" -c 'import json, sys; print(json.load(open(sys.argv[1])).get("status", ""))' \\
         "$run_dir/results.json" 2>/dev/null
@@ -139,17 +150,9 @@ fi
 # What the next start looks at to say why it came: this start's nodes and where its output begins.
 echo "$SLURM_JOB_NODELIST" > "$slurm_dir/nodes"
 stat -c %s "$output" > "$slurm_dir/output_size" 2>/dev/null
-rm -f "$run_dir/stop"  # a request the last start did not get to handle
 
 {RENDEZVOUS}export SPEEDRUN_RESUME=; checkpoint && SPEEDRUN_RESUME=1
 
-warned=
-warn() {{
-    warned=$(now)
-    say "Slurm warns that the time limit is near: asking the run to stop at a step"
-    touch "$run_dir/stop"
-}}
-trap warn USR1
 srun --ntasks-per-node=1 --kill-on-bad-exit=0 bash "$slurm_dir/node.sh" &
 step=$!
 # Slurm ends a start (a node failure, a requeue, scancel) by signalling this script's processes; srun
