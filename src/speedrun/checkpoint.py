@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 import torch
 
-import speedrun
 from speedrun import files
+from speedrun.version import __version__
 from speedrun.config import TrainConfig
 from speedrun.dist import processes
 from speedrun.errors import SpeedrunError
@@ -67,7 +67,7 @@ def save_run(writer: CheckpointWriter, path: Path, learner: Learner, state: RunS
             "seed": cfg.seed,  # a resume must use the same, or it would not continue the same run
             "deterministic": cfg.deterministic,
             "rng": rng_state(),
-            "speedrun": speedrun.__version__,
+            "speedrun": __version__,
         },
         path,
         label=f"{path} ({where(state)})",

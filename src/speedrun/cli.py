@@ -20,10 +20,11 @@ from speedrun.inputs import Parser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from speedrun import __version__
+    from speedrun.version import __version__
     from speedrun import experiment_cli, train_cli
     from speedrun.cluster import cli as cluster_cli
     from speedrun.data import cli as data_cli
+    from speedrun.tune import cli as tune_cli
 
     parser = Parser(
         prog="speedrun",
@@ -36,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     train_cli.register(sub)
     experiment_cli.register(sub)
+    tune_cli.register(sub)
     data_cli.register(sub)
     cluster_cli.register(sub)
     return parser

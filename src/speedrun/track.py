@@ -28,8 +28,8 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-import speedrun
 from speedrun import files
+from speedrun.version import __version__
 from speedrun.files import read_jsonl  # noqa: F401 - its old home (tests and users read it here)
 from speedrun.money import Price, cost_fields
 
@@ -230,7 +230,7 @@ def build_results(
         "loader": source.loader,
         "skipped_images": source.skipped_images(),
         "cpu_fallbacks": source.cpu_fallbacks(),  # --loader gpu: images decoded on the CPU instead
-        "versions": {"speedrun": speedrun.__version__, "torch": torch.__version__, "python": platform.python_version()},
+        "versions": {"speedrun": __version__, "torch": torch.__version__, "python": platform.python_version()},
         "session_s": time.time() - session_start,
         # What it cost: the run's time and what interruptions lost, at the machines' price.
         **cost_fields(Price.from_dict(state.price) if state.price else None, total_s + lost_s,
@@ -277,7 +277,7 @@ def run_header(cfg: TrainConfig, ctx: DistContext, source: DataSource, precision
               if scale > 1 and recipe.scale_warmup_epochs else "")
     loader = f" ({source.loader} loader)" if source.loader else ""
     return (
-        f"speedrun {speedrun.__version__}: recipe {recipe.name}, model {recipe.model}, "
+        f"speedrun {__version__}: recipe {recipe.name}, model {recipe.model}, "
         f"{source.num_train} train / {source.num_val} val images{loader}, "
         f"{ctx.world_size} x {ctx.device.type}, {precision}, {memory_format.name} ({memory_format.why}), "
         f"LR x{scale:g}{warmup} for world size "
