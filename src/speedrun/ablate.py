@@ -11,7 +11,6 @@ seed); running the same command again continues it with the runs it lacks.
 from __future__ import annotations
 
 import dataclasses
-import json
 import posixpath
 import shlex
 import signal
@@ -27,6 +26,7 @@ from speedrun.compare import RunSummary, read_run
 from speedrun.errors import EXIT_BAD_INPUT, SpeedrunError, stop_on_sigterm
 from speedrun.files import to_json
 from speedrun.recipe import Recipe
+from speedrun.recipes import recipe_source
 from speedrun.rundir import FINISHED, run_status
 
 FULL = "full"  # the variant with every trick on
@@ -131,7 +131,9 @@ def plan_files(plan: Plan) -> dict[str, str]:
     """What an ablation directory holds besides its runs, by relative path: plan.json and one
     recipe file per variant."""
     files = {"plan.json": to_json(plan.to_dict(), indent=2) + "\n"}
-    files.update({f"{name}/recipe.py": recipe_file(r) for name, r in variants(plan.recipe, plan.tricks).items()})
+    header = "# Written by speedrun ablate.\n"
+    files.update({f"{name}/recipe.py": recipe_source(r, header)
+                  for name, r in variants(plan.recipe, plan.tricks).items()})
     return files
 
 
@@ -161,12 +163,6 @@ def prepare(out: Path, plan: Plan) -> None:
     except OSError as e:
         raise SpeedrunError(f"--out {out}: cannot write the ablation there ({e.strerror or e}); "
                             "choose another --out") from None
-
-
-def recipe_file(recipe: Recipe) -> str:
-    """A recipe file (`speedrun train --recipe FILE`) holding exactly `recipe`."""
-    return ("# Written by speedrun ablate.\nimport json\n\nfrom speedrun.recipe import Recipe\n\n"
-            f"recipe = Recipe.from_dict(json.loads({json.dumps(json.dumps(recipe.to_dict()))}))\n")
 
 
 def train_argv(plan: Plan, variant: str, seed: int, resume: bool, python: str = sys.executable) -> list[str]:

@@ -1,5 +1,7 @@
-"""Built-in recipes, by name (`speedrun recipes` lists them), and `load_recipe` for a name or a file."""
+"""Built-in recipes, by name (`speedrun recipes` lists them), and `load_recipe` for a name or a file
+(`recipe_source` writes one)."""
 import importlib.util
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,18 +33,38 @@ def load_recipe(name_or_path: str) -> Recipe:
         raise RecipeError([f"unknown recipe {name_or_path!r}: not a built-in ({known}) and not a .py file"])
     if not path.is_file():
         raise RecipeError([f"recipe file {str(path)!r} does not exist"])
-    spec = importlib.util.spec_from_file_location(f"speedrun_user_recipe_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except RecipeError as e:  # a Phase, Target or Recipe the file made refused its values
-        raise RecipeError([f"recipe file {str(path)!r}: {p}" for p in e.problems]) from None
-    except Exception as e:  # a user's file: report its error in one line
-        raise RecipeError([f"recipe file {str(path)!r} failed to load: {type(e).__name__}: {e}"]) from None
-    except SystemExit as e:  # exit() in a recipe would end `speedrun train` silently, even with status 0
-        raise RecipeError([f"recipe file {str(path)!r} called exit({e.code!r}) while loading; "
-                           "a recipe file only defines `recipe`"]) from None
+    module = run_user_file(path, "recipe", RecipeError)
     recipe = getattr(module, "recipe", None)
     if not isinstance(recipe, Recipe):
         raise RecipeError([f"recipe file {str(path)!r} must define a variable `recipe` holding a speedrun.Recipe"])
     return recipe.validate()
+
+
+def run_user_file(path: Path, what: str, error: type[Exception]):
+    """Run the user's Python file at `path` (a `what`: "recipe", "search space") and return it as a
+    module. Whatever goes wrong in it is one `error` naming the file: a speedrun value it made that
+    refused itself, any other exception, or exit() (which would end the command silently)."""
+    def refuse(line: str) -> Exception:
+        return error([line]) if issubclass(error, RecipeError) else error(line)
+
+    spec = importlib.util.spec_from_file_location(f"speedrun_user_{what.replace(' ', '_')}_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except RecipeError as e:  # a Phase, Target or Recipe the file made refused its values
+        if issubclass(error, RecipeError):
+            raise RecipeError([f"{what} file {str(path)!r}: {p}" for p in e.problems]) from None
+        raise refuse(f"{what} file {str(path)!r}: {'; '.join(e.problems)}") from None
+    except Exception as e:  # a user's file: report its error in one line
+        raise refuse(f"{what} file {str(path)!r} failed to load: {type(e).__name__}: {e}") from None
+    except SystemExit as e:  # exit() in the file would end the command silently, even with status 0
+        raise refuse(f"{what} file {str(path)!r} called exit({e.code!r}) while loading; "
+                     f"a {what} file only defines names") from None
+    return module
+
+
+def recipe_source(recipe: Recipe, header: str) -> str:
+    """The text of a recipe file (`speedrun train --recipe FILE`) holding exactly `recipe`, after
+    `header` (comment lines or a docstring, with its newline)."""
+    return (f"{header}import json\n\nfrom speedrun.recipe import Recipe\n\n"
+            f"recipe = Recipe.from_dict(json.loads({json.dumps(json.dumps(recipe.to_dict()))}))\n")

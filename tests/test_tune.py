@@ -1,0 +1,248 @@
+"""`speedrun tune`: the search space as data, the pruning rule, bad input before any trial, and
+real searches of the tiny recipe (real Optuna, real `speedrun train` trials): pruning at a step,
+a best recipe that trains, a failing trial recorded with its reason, an interrupted search
+continued with no trial lost or run twice."""
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from cli_run import one_line_error, speedrun, speedrun_here, start
+
+from speedrun.files import read_jsonl
+from speedrun.recipes import load_recipe
+from speedrun.tune import asha
+from speedrun.tune.cli import parse_budget
+from speedrun.tune.space import Choice, Range, apply, check_space, corners, default_space, peak_lr
+
+TINY = load_recipe("tiny")
+
+
+# The space, as data.
+
+def test_the_default_space_centres_the_lr_on_the_suggestion_and_spans_the_recipes_own_values():
+    space = default_space(TINY, suggested_recipe_lr=0.1)
+    centre = 0.1 / peak_lr(TINY)
+    assert space["lr_scale"] == Range(centre / 3, centre * 3, log=True)
+    assert space["batch_size"] == Choice((32, 64, 128)) and space["first_size"] == Choice((15, 20))
+    assert space["weight_decay"] == Range(5e-5, 5e-3, log=True) and space["ema"] == Choice((False, True))
+    assert default_space(TINY)["lr_scale"] == Range(1 / 3, 3, log=True)  # no suggestion: the recipe's own LR
+    check_space(space)
+
+
+def test_a_trials_recipe_is_the_recipe_with_each_field_applied():
+    r = apply(TINY, {"lr_scale": 0.5, "batch_size": 128, "epochs_scale": 1.5, "label_smoothing": 0.1,
+                     "first_size": 15, "ema": True, "weight_decay": 1e-3}, "t")
+    assert r.name == "t" and r.epochs == 6 and r.ema_decay == 0.998 and r.optimizer.label_smoothing == 0.1
+    assert r.optimizer.weight_decay == 1e-3 and r.phases[0].size == 15 and r.phases[-1].size == 28
+    # The batch doubles in every phase, and its LR with it (the same LR per image), then x0.5.
+    assert [p.batch_size for p in r.phases] == [128, 256, 256]
+    assert r.phases[0].lr == pytest.approx((0.05, 0.2)) and r.phases[1].lr == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize("space, line", [
+    ({"lr_scale": Range(1, 1)}, "lr_scale: the range 1..1 is empty"),
+    ({"lr_scale": Range(3, 1)}, "lr_scale: the range 3..1 is inverted (low > high)"),
+    ({"lr_scale": Range(0, 1, log=True)}, "lr_scale: a log range must be above 0"),
+    ({"momentum": Range(0.8, 0.99)}, "unknown field 'momentum' (fields: lr_scale, weight_decay"),
+    ({"ema": Choice(())}, "ema: a choice needs at least one value"),
+    ({}, "must be a non-empty dict"),
+])
+def test_a_bad_space_is_one_line_naming_the_field(space, line):
+    with pytest.raises(Exception, match=line.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+        check_space(space)
+
+
+def test_the_corners_are_every_low_end_every_high_end_and_each_choice():
+    space = {"lr_scale": Range(0.5, 2), "batch_size": Choice((32, 64, 128))}
+    assert corners(space) == [{"lr_scale": 0.5, "batch_size": 32}, {"lr_scale": 2, "batch_size": 128},
+                              {"lr_scale": 0.5, "batch_size": 64}, {"lr_scale": 0.5, "batch_size": 128}]
+
+
+# The pruning rule.
+
+def evals(*points):
+    return [{"wall_s": t, "top1": v} for t, v in points]
+
+
+def test_a_trial_behind_the_best_at_a_rung_stops_and_the_first_there_goes_on():
+    ahead = evals((5, 0.6), (12, 0.8))
+    alone = asha.judge(evals((4, 0.3), (10, 0.5)), [], "top1", 10, 3)
+    assert alone.go_on and alone.others == 0  # first to the rung
+    behind = asha.judge(evals((4, 0.3), (10, 0.5)), [(ahead, False)], "top1", 10, 3)
+    assert not behind.go_on and behind.bar == 0.6 and behind.value == 0.5  # the other had 0.6 by 10 s
+    # A trial that ended before the rung counts with its final best (it reached the target at 12 s: 0.8).
+    assert asha.judge(evals((4, 0.3), (20, 0.7)), [(ahead, True)], "top1", 20, 3).bar == 0.8
+    # One still running that has not reached the rung does not count yet.
+    assert asha.judge(evals((4, 0.3), (10, 0.5)), [(evals((4, 0.9)), False)], "top1", 10, 3).go_on
+    # Among 6 at a rung, the best 6 // 3 = 2 go on.
+    others = [(evals((9, v)), True) for v in (0.9, 0.7, 0.4, 0.3, 0.2)]
+    assert asha.judge(evals((9, 0.8)), others, "top1", 10, 3).go_on
+    assert not asha.judge(evals((9, 0.6)), others, "top1", 10, 3).go_on
+    assert asha.judge(evals((11, 0.9)), [], "top1", 10, 3) is None  # nothing by the rung
+    assert asha.rungs(3, 3, 100) == [3, 9, 27, 81]
+
+
+def test_a_budget_is_a_duration_or_dollars():
+    assert parse_budget("2h") == (7200, None) and parse_budget("90m") == (5400, None)
+    assert parse_budget("600") == (600, None) and parse_budget("$30") == (None, 30)
+    for bad in ("2 days", "$3h", "-5m", "0", ""):
+        with pytest.raises(Exception, match="give a duration"):
+            parse_budget(bad)
+
+
+# Bad input: one line, exit 2, before any trial (or lr-find) starts.
+
+@pytest.mark.parametrize("args, line", [
+    (["--target", "top7=0.5"], "target 'top7=0.5': expected METRIC=VALUE with METRIC one of top1, top5"),
+    ([], "recipe tiny has no target, and a search needs one: give --target top1=0.9"),
+    (["--target", "top1=0.5", "--parallel", "999"], "--parallel 999: this machine has"),
+    (["--target", "top1=0.5", "--budget", "30s"], "--budget 30s cannot hold one trial: the first rung"),
+    (["--target", "top1=0.5", "--objective", "cost"], "--objective cost and a $ budget need the machine's price"),
+    (["--target", "top1=0.5", "--budget", "soon"], "--budget 'soon': give a duration"),
+])
+def test_bad_input_is_one_line_and_exit_2_before_any_trial(tmp_path, args, line):
+    one_line_error(speedrun_here("tune", "tiny", "--trials", "2", "--out", str(tmp_path / "s"), *args), line)
+    assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize("text, line", [
+    ("space = {'lr_scale': Range(2, 2)}", "lr_scale: the range 2..2 is empty"),
+    ("space = {'lr_scale': Range(2, 1)}", "lr_scale: the range 2..1 is inverted"),
+    ("space = {'nesterov': Choice((True, False))}", "unknown field 'nesterov'"),
+    ("space = {'batch_size': Choice((64, 10**6))}", "the search space reaches a recipe that cannot run: batch_size"),
+    ("space = 5", "must be a non-empty dict"),
+    ("raise ValueError('oops')", "failed to load: ValueError: oops"),
+])
+def test_a_bad_space_file_is_one_line_and_exit_2_before_any_trial(tmp_path, text, line):
+    space = tmp_path / "space.py"
+    space.write_text(f"from speedrun.tune.space import Choice, Range\n{text}\n")
+    one_line_error(speedrun_here("tune", "tiny", "--target", "top1=0.5", "--trials", "2", "--space", str(space),
+                                 "--out", str(tmp_path / "s")), line)
+    assert not (tmp_path / "s").exists()
+
+
+def test_a_directory_holding_something_else_is_refused(tmp_path):
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "notes.txt").write_text("mine")
+    one_line_error(speedrun_here("tune", "tiny", "--target", "top1=0.5", "--trials", "2", "--no-lr-find",
+                                 "--out", str(tmp_path / "s")), "holds other things than a search (notes.txt)")
+
+
+# Real searches of the tiny recipe.
+
+SPACE = """from speedrun.tune.space import Choice, Range
+
+# 1: the recipe's LR; 0.01: one that learns slowly (pruned); 1e6: the loss becomes NaN (the trial fails).
+space = {"lr_scale": Choice((1.0, 0.01, 1e6)), "label_smoothing": Range(0.0, 0.1)}
+"""
+# Seed 2 draws lr_scale 1e6, 1, 1e6, 0.01, 1, 1 for trials 0-5 (TPE's first trials are random).
+SEARCH = ["tiny", "--epochs", "8", "--target", "top1=0.75", "--first-rung", "3", "--seed", "2", "--device", "cpu"]
+
+
+def study_trials(out):
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return optuna.load_study(study_name="speedrun-tune", storage=f"sqlite:///{out / 'study.db'}").get_trials()
+
+
+@pytest.mark.slow
+def test_a_six_trial_search_two_at_a_time_prunes_at_a_step_and_writes_a_best_recipe_that_trains(tmp_path):
+    (tmp_path / "space.py").write_text(SPACE)
+    out = tmp_path / "search"
+    proc = speedrun("tune", *SEARCH, "--trials", "6", "--parallel", "2", "--space", str(tmp_path / "space.py"),
+                    "--out", str(out), "--json", timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout)
+    trials = study_trials(out)
+    assert len(trials) == 6 and len(summary["trials"]) == 6
+    assert [t.params["lr_scale"] for t in trials] == [1e6, 1.0, 1e6, 0.01, 1.0, 1.0]
+    # Every trial is an ordinary run in trials/NNN.
+    for t in trials:
+        assert t.user_attrs["dir"] == f"trials/{t.number:03d}" and (out / t.user_attrs["dir"] / "results.json").exists()
+    # At least one was stopped at a step: its checkpoint holds the step the study recorded, before its end.
+    pruned = [t for t in trials if t.user_attrs["state"] == "pruned"]
+    assert pruned, [(t.number, t.user_attrs) for t in trials]
+    for t in pruned:
+        run = out / t.user_attrs["dir"]
+        results = json.loads((run / "results.json").read_text())
+        saved = torch.load(run / "checkpoint.pt", weights_only=False)
+        assert results["status"] == "stopped" and saved["state"]["step"] == t.user_attrs["step"] == results["steps"]
+        assert results["epochs_run"] < 8 and t.user_attrs["value"] < t.user_attrs["bar"]
+        assert t.user_attrs["checkpoint"].startswith(f"{t.user_attrs['dir']}/checkpoint.pt (at step {results['steps']}")
+        assert "behind at the" in t.user_attrs["why"] and str(t.state) == "TrialState.PRUNED"
+    # The 1e6 x LR trials failed, each recorded with its reason, and the search went on.
+    failed = [t for t in trials if t.user_attrs["state"] == "failed"]
+    assert [t.number for t in failed] == [0, 2] and all(str(t.state) == "TrialState.FAIL" for t in failed)
+    assert all(t.user_attrs["why"].startswith("loss became nan at epoch 1") for t in failed)
+    # The complete ones are sorted first, by their time.
+    complete = [r for r in summary["trials"] if r["state"] == "complete"]
+    assert complete and all(r["params"]["lr_scale"] == 1.0 for r in complete)
+    assert [r["value"] for r in complete] == sorted(r["value"] for r in complete)
+    assert summary["best"] == summary["trials"][0] == complete[0]
+    assert (out / "tune.png").read_bytes()[:4] == b"\x89PNG" and json.loads((out / "tune.json").read_text()) == summary
+    # best_recipe.py trains as any recipe does, and is the best trial's recipe.
+    best = out / "best_recipe.py"
+    assert f"Trial {summary['best']['number']} of 6" in best.read_text()
+    run = speedrun("train", "--recipe", str(best), "--device", "cpu", "--seed", "2", "--out", str(tmp_path / "again"),
+                   timeout=300)
+    assert run.returncode == 0, run.stderr
+    again = json.loads((tmp_path / "again" / "results.json").read_text())
+    assert again["recipe"]["name"] == "tiny-tuned" and again["status"] == "target_reached"
+
+
+@pytest.mark.slow
+def test_a_trial_that_fails_is_recorded_with_its_reason_and_the_same_failure_three_times_ends_the_search(tmp_path):
+    (tmp_path / "space.py").write_text("from speedrun.tune.space import Choice\nspace = {'lr_scale': Choice((1e6,))}\n")
+    out = tmp_path / "search"
+    proc = speedrun("tune", "tiny", "--target", "top1=0.75", "--trials", "5", "--parallel", "2", "--space",
+                    str(tmp_path / "space.py"), "--device", "cpu", "--out", str(out), timeout=300)
+    line = one_line_error(proc, "the same failure 3 times in a row: loss became nan", code=3)
+    assert "the search stopped" in line
+    trials = study_trials(out)
+    assert len(trials) in (3, 4) and all(str(t.state) == "TrialState.FAIL" for t in trials)  # 2 at a time
+    assert all(t.user_attrs["state"] == "failed" and t.user_attrs["why"].startswith("loss became nan at epoch 1")
+               for t in trials)
+
+
+@pytest.mark.slow
+def test_an_interrupted_search_continues_with_the_same_command_no_trial_lost_or_run_twice(tmp_path):
+    space = "from speedrun.tune.space import Range\nspace = {'label_smoothing': Range(0, 0.1)}\n"
+    (tmp_path / "space.py").write_text(space)
+    out = tmp_path / "search"
+    # No rung before the trials end (--first-rung 1000): every trial trains to its end unless interrupted.
+    argv = ["tiny", "--target", "top1=0.9", "--first-rung", "1000", "--device", "cpu", "--trials",
+            "3", "--parallel", "2", "--space", str(tmp_path / "space.py"), "--out", str(out)]
+    proc = start("tune", *argv)
+    deadline = time.monotonic() + 120
+    while not all((out / "trials" / n / "checkpoint.pt").exists() for n in ("000", "001")):  # both saved an epoch
+        assert time.monotonic() < deadline and proc.poll() is None, proc.poll()
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    rest, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, (rest, err)
+    assert "search stopped, 2 trial(s) at a step: run the same command to continue" in err
+    trials = study_trials(out)
+    assert [str(t.state) for t in trials] == ["TrialState.RUNNING"] * 2
+    stopped = {t.number: json.loads((out / t.user_attrs["dir"] / "results.json").read_text()) for t in trials}
+    assert all(r["status"] == "stopped" for r in stopped.values())
+
+    again = subprocess.run([sys.executable, "-m", "speedrun", "tune", *argv], capture_output=True, text=True,
+                           timeout=600)
+    assert again.returncode == 0, again.stderr
+    trials = study_trials(out)
+    assert len(trials) == 3 and all(str(t.state) != "TrialState.RUNNING" for t in trials)
+    for number, before in stopped.items():  # each went on from the step it stopped at, nothing trained again
+        assert f"trial {number} resumed" in again.stdout
+        results = json.loads((out / "trials" / f"{number:03d}" / "results.json").read_text())
+        assert results["interruptions"][0]["resumed_at_step"] == before["steps"]
+        assert results["interruptions"][0]["steps_redone"] == 0
+    assert "trial 2 resumed" not in again.stdout and "trial 2:" in again.stdout  # the third, started afresh
+    for t in trials:  # no trial began twice from its first step
+        run = out / t.user_attrs["dir"]
+        steps = [s["step"] for s in read_jsonl(run / "steps.jsonl")]
+        assert steps == sorted(set(steps)) and not list(run.glob("abandoned-*")), t.number
