@@ -209,17 +209,29 @@ def test_a_trial_that_fails_is_recorded_with_its_reason_and_the_same_failure_thr
                for t in trials)
 
 
+def wait_for_lines(proc: subprocess.Popen, *wanted: str) -> list[str]:
+    """The lines `proc` prints, read until each of `wanted` has been in one."""
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if all(any(w in ln for ln in seen) for w in wanted):
+            return seen
+    raise AssertionError(f"{proc.args} ended (exit {proc.wait()}) without printing {wanted}: {seen}")
+
+
 @pytest.mark.slow
-def test_an_interrupted_search_continues_with_the_same_command_no_trial_lost_or_run_twice(tmp_path):
+def test_an_interrupted_search_and_a_lost_controller_continue_with_the_same_command_no_trial_lost_or_run_twice(
+        tmp_path):
     space = "from speedrun.tune.space import Range\nspace = {'label_smoothing': Range(0, 0.1)}\n"
     (tmp_path / "space.py").write_text(space)
     out = tmp_path / "search"
-    # No rung before the trials end (--first-rung 1000): every trial trains to its end unless interrupted.
-    argv = ["tiny", "--target", "top1=0.9", "--first-rung", "1000", "--device", "cpu", "--trials",
+    # No rung before the trials end (--first-rung 1000): every trial trains its 6 epochs unless interrupted.
+    argv = ["tiny", "--epochs", "6", "--target", "top1=0.9", "--first-rung", "1000", "--device", "cpu", "--trials",
             "3", "--parallel", "2", "--space", str(tmp_path / "space.py"), "--out", str(out)]
+    # 1. Ctrl-C once both trials have saved an epoch: they stop at a step and stay running in the study.
     proc = start("tune", *argv)
     deadline = time.monotonic() + 120
-    while not all((out / "trials" / n / "checkpoint.pt").exists() for n in ("000", "001")):  # both saved an epoch
+    while not all((out / "trials" / n / "checkpoint.pt").exists() for n in ("000", "001")):
         assert time.monotonic() < deadline and proc.poll() is None, proc.poll()
         time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
@@ -231,18 +243,27 @@ def test_an_interrupted_search_continues_with_the_same_command_no_trial_lost_or_
     stopped = {t.number: json.loads((out / t.user_attrs["dir"] / "results.json").read_text()) for t in trials}
     assert all(r["status"] == "stopped" for r in stopped.values())
 
+    # 2. The same command resumes both; its controller is then lost (SIGKILL): the trials train on.
+    proc = start("tune", *argv)
+    wait_for_lines(proc, "trial 0 resumed", "trial 1 resumed")
+    proc.kill()
+    proc.communicate()
+
+    # 3. The same command again adopts them (their run directories are still held), then runs the third.
     again = subprocess.run([sys.executable, "-m", "speedrun", "tune", *argv], capture_output=True, text=True,
                            timeout=600)
     assert again.returncode == 0, again.stderr
+    assert "trial 0: still running, adopted" in again.stdout and "trial 1: still running, adopted" in again.stdout
+    assert "resumed" not in again.stdout and "trial 2: label_smoothing=" in again.stdout  # the third, afresh
     trials = study_trials(out)
-    assert len(trials) == 3 and all(str(t.state) != "TrialState.RUNNING" for t in trials)
+    assert len(trials) == 3 and all(str(t.state) == "TrialState.PRUNED" for t in trials)  # none reached 0.9
     for number, before in stopped.items():  # each went on from the step it stopped at, nothing trained again
-        assert f"trial {number} resumed" in again.stdout
         results = json.loads((out / "trials" / f"{number:03d}" / "results.json").read_text())
+        assert results["status"] == "finished" and len(results["interruptions"]) == 1  # the controller's loss: none
         assert results["interruptions"][0]["resumed_at_step"] == before["steps"]
         assert results["interruptions"][0]["steps_redone"] == 0
-    assert "trial 2 resumed" not in again.stdout and "trial 2:" in again.stdout  # the third, started afresh
     for t in trials:  # no trial began twice from its first step
         run = out / t.user_attrs["dir"]
         steps = [s["step"] for s in read_jsonl(run / "steps.jsonl")]
         assert steps == sorted(set(steps)) and not list(run.glob("abandoned-*")), t.number
+        assert t.user_attrs["state"] == "not_reached"

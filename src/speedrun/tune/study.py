@@ -28,7 +28,7 @@ from speedrun.errors import EXIT_BAD_INPUT, EXIT_FAILED, SpeedrunError, one_line
 from speedrun.money import PRICE_ENV, Price
 from speedrun.recipe import Recipe
 from speedrun.recipes import recipe_source
-from speedrun.rundir import in_use, run_status
+from speedrun.rundir import run_status
 from speedrun.tune import asha
 from speedrun.tune.space import Dimension, apply
 from speedrun.tune.trials import TrialRun, same_failure, trial_env
@@ -177,7 +177,7 @@ class Controller:
         for t in self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
             run = TrialRun(t.number, self.out, stopped_for=t.user_attrs.get("stopping"),
                            verdicts=list(t.user_attrs.get("rungs_passed", [])))
-            if in_use(run.dir):
+            if run.alive():
                 self.running[t.number] = run
                 self.say(f"trial {t.number}: still running, adopted")
             elif run.stopped_for or run_status(run.dir) in (*COMPLETE, "failed"):

@@ -4,8 +4,9 @@
 
 A trial is started in a session of its own: a Ctrl-C in the terminal reaches the controller only,
 which stops each trial with exactly one SIGTERM (the trainer stops at a step, with a checkpoint).
-A trial whose controller was lost keeps running; the next controller adopts it (its run directory
-is still locked by it) and waits for it like any other.
+A trial whose controller was lost keeps running; the next controller adopts it and waits for it
+like any other. A trial is alive while its process (`DIR/logs/NNN.pid`, checked against the
+process's command line) runs or its run directory is locked: a process still starting holds no lock yet.
 """
 from __future__ import annotations
 
@@ -50,6 +51,25 @@ class TrialRun:
     def log(self) -> Path:
         return self.root / "logs" / f"{trial_name(self.number)}.log"
 
+    @property
+    def pid_file(self) -> Path:
+        return self.root / "logs" / f"{trial_name(self.number)}.pid"
+
+    def alive(self) -> bool:
+        """Whether a process trains it now: this controller's, or one an earlier controller started."""
+        if self.proc is not None:
+            return self.proc.poll() is None
+        return in_use(self.dir) or self._recorded_process_runs()
+
+    def _recorded_process_runs(self) -> bool:
+        try:
+            pid = int(self.pid_file.read_text())
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            return False
+        # The pid is this trial's process, not another that took its number since.
+        return str(self.dir.relative_to(self.root)).encode() in argv
+
     def argv(self, seed: int, data: str | None, train_args: tuple[str, ...], resume: bool) -> list[str]:
         """Its `speedrun train` command line, relative to the search's directory."""
         rel = lambda p: str(p.relative_to(self.root))  # noqa: E731
@@ -60,7 +80,7 @@ class TrialRun:
     def start(self, seed: int, data: str | None, train_args: tuple[str, ...], env: dict[str, str]) -> bool:
         """Start it (resumed when its run has a checkpoint) or adopt it when a process still holds
         its run directory; whether it resumed or was adopted."""
-        if in_use(self.dir):
+        if self.alive():
             return True
         resume = (self.dir / "checkpoint.pt").is_file()
         self.log.parent.mkdir(parents=True, exist_ok=True)
@@ -68,12 +88,11 @@ class TrialRun:
             self.proc = subprocess.Popen(self.argv(seed, data, train_args, resume), cwd=self.root, env=env,
                                          stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True)
+        self.pid_file.write_text(f"{self.proc.pid}\n")
         return resume
 
     def ended(self) -> bool:
-        if self.proc is not None:
-            return self.proc.poll() is not None
-        return not in_use(self.dir)
+        return not self.alive()
 
     def evals(self) -> list[dict]:
         """Its evaluations so far (metrics.jsonl)."""
