@@ -84,8 +84,7 @@ def test_lr_find_on_a_run_directory_adds_its_curve_and_changes_nothing_of_the_ru
 
 
 @pytest.mark.slow
-def test_the_python_api_gives_the_same_finding_for_the_same_seed():
-    kw = dict(start=1e-3, end=1e3, steps=25, device="cpu")
-    one, two = sr.lr_find(load_recipe("tiny"), **kw), sr.lr_find(load_recipe("tiny"), **kw)
-    assert isinstance(one, sr.LRFinding) and one.losses == two.losses and one.suggested_lr == two.suggested_lr
-    assert one.lrs == lr_ramp(1e-3, 1e3, 25)[:len(one.losses)]
+def test_the_python_api_gives_a_finding_for_the_recipe():
+    finding = sr.lr_find(load_recipe("tiny"), start=1e-3, end=1e3, steps=15, device="cpu")
+    assert isinstance(finding, sr.LRFinding) and finding.recipe == "tiny" and 3 <= len(finding.losses) <= 15
+    assert finding.lrs == lr_ramp(1e-3, 1e3, 15)[:len(finding.losses)] and finding.suggested_lr < finding.lrs[-1]

@@ -139,6 +139,7 @@ SPACE = """from speedrun.tune.space import Choice, Range
 # 1: the recipe's LR; 0.01: one that learns slowly (pruned); 1e6: the loss becomes NaN (the trial fails).
 space = {"lr_scale": Choice((1.0, 0.01, 1e6)), "label_smoothing": Range(0.0, 0.1)}
 """
+SMOOTHING_ONLY = "from speedrun.tune.space import Range\nspace = {'label_smoothing': Range(0, 0.1)}\n"
 # Seed 2 draws lr_scale 1e6, 1, 1e6, 0.01, 1, 1 for trials 0-5 (TPE's first trials are random).
 SEARCH = ["tiny", "--epochs", "8", "--target", "top1=0.75", "--first-rung", "3", "--seed", "2", "--device", "cpu"]
 
@@ -195,20 +196,6 @@ def test_a_six_trial_search_two_at_a_time_prunes_at_a_step_and_writes_a_best_rec
     assert again["recipe"]["name"] == "tiny-tuned" and again["status"] == "target_reached"
 
 
-@pytest.mark.slow
-def test_a_trial_that_fails_is_recorded_with_its_reason_and_the_same_failure_three_times_ends_the_search(tmp_path):
-    (tmp_path / "space.py").write_text("from speedrun.tune.space import Choice\nspace = {'lr_scale': Choice((1e6,))}\n")
-    out = tmp_path / "search"
-    proc = speedrun("tune", "tiny", "--target", "top1=0.75", "--trials", "5", "--parallel", "2", "--space",
-                    str(tmp_path / "space.py"), "--device", "cpu", "--out", str(out), timeout=300)
-    line = one_line_error(proc, "the same failure 3 times in a row: loss became nan", code=3)
-    assert "the search stopped" in line
-    trials = study_trials(out)
-    assert len(trials) in (3, 4) and all(str(t.state) == "TrialState.FAIL" for t in trials)  # 2 at a time
-    assert all(t.user_attrs["state"] == "failed" and t.user_attrs["why"].startswith("loss became nan at epoch 1")
-               for t in trials)
-
-
 def wait_for_lines(proc: subprocess.Popen, *wanted: str) -> list[str]:
     """The lines `proc` prints, read until each of `wanted` has been in one."""
     seen = []
@@ -222,12 +209,11 @@ def wait_for_lines(proc: subprocess.Popen, *wanted: str) -> list[str]:
 @pytest.mark.slow
 def test_an_interrupted_search_and_a_lost_controller_continue_with_the_same_command_no_trial_lost_or_run_twice(
         tmp_path):
-    space = "from speedrun.tune.space import Range\nspace = {'label_smoothing': Range(0, 0.1)}\n"
-    (tmp_path / "space.py").write_text(space)
+    (tmp_path / "space.py").write_text(SMOOTHING_ONLY)
     out = tmp_path / "search"
     # No rung before the trials end (--first-rung 1000): every trial trains its 6 epochs unless interrupted.
     argv = ["tiny", "--epochs", "6", "--target", "top1=0.9", "--first-rung", "1000", "--device", "cpu", "--trials",
-            "3", "--parallel", "2", "--space", str(tmp_path / "space.py"), "--out", str(out)]
+            "2", "--parallel", "2", "--space", str(tmp_path / "space.py"), "--out", str(out)]
     # 1. Ctrl-C once both trials have saved an epoch: they stop at a step and stay running in the study.
     proc = start("tune", *argv)
     deadline = time.monotonic() + 120
@@ -249,14 +235,14 @@ def test_an_interrupted_search_and_a_lost_controller_continue_with_the_same_comm
     proc.kill()
     proc.communicate()
 
-    # 3. The same command again adopts them (their run directories are still held), then runs the third.
+    # 3. The same command again adopts them (their processes still run) and waits for them.
     again = subprocess.run([sys.executable, "-m", "speedrun", "tune", *argv], capture_output=True, text=True,
                            timeout=600)
     assert again.returncode == 0, again.stderr
     assert "trial 0: still running, adopted" in again.stdout and "trial 1: still running, adopted" in again.stdout
-    assert "resumed" not in again.stdout and "trial 2: label_smoothing=" in again.stdout  # the third, afresh
+    assert "resumed" not in again.stdout and "label_smoothing=" not in again.stdout  # nothing started again
     trials = study_trials(out)
-    assert len(trials) == 3 and all(str(t.state) == "TrialState.PRUNED" for t in trials)  # none reached 0.9
+    assert len(trials) == 2 and all(str(t.state) == "TrialState.PRUNED" for t in trials)  # none reached 0.9
     for number, before in stopped.items():  # each went on from the step it stopped at, nothing trained again
         results = json.loads((out / "trials" / f"{number:03d}" / "results.json").read_text())
         assert results["status"] == "finished" and len(results["interruptions"]) == 1  # the controller's loss: none
@@ -267,3 +253,47 @@ def test_an_interrupted_search_and_a_lost_controller_continue_with_the_same_comm
         steps = [s["step"] for s in read_jsonl(run / "steps.jsonl")]
         assert steps == sorted(set(steps)) and not list(run.glob("abandoned-*")), t.number
         assert t.user_attrs["state"] == "not_reached"
+
+
+# The study in PostgreSQL.
+
+def test_a_storage_that_does_not_answer_is_one_line_exit_3_with_its_password_hidden(tmp_path):
+    from postgres_server import free_port
+
+    url = f"postgresql://speedrun:secret@127.0.0.1:{free_port()}/speedrun"  # nothing listens there
+    proc = speedrun_here("tune", "tiny", "--target", "top1=0.5", "--trials", "1", "--no-lr-find", "--storage", url,
+                         "--out", str(tmp_path / "s"))
+    line = one_line_error(proc, "the study's storage postgresql+psycopg://speedrun:***@127.0.0.1:", "does not answer",
+                          code=3)
+    assert "secret" not in line
+
+
+@pytest.mark.slow
+def test_a_search_in_postgresql_records_three_failures_alike_ends_with_exit_3_and_continues_from_it(tmp_path):
+    from postgres_server import PostgresServer
+
+    # Every trial's loss becomes NaN (the LR a million times the recipe's): each fails, with its reason.
+    (tmp_path / "space.py").write_text("from speedrun.tune.space import Choice\nspace = {'lr_scale': Choice((1e6,))}\n")
+    out = tmp_path / "search"
+    with PostgresServer() as pg:
+        user_url = pg.url.replace("postgresql+psycopg://", "postgresql://")  # as a user writes it
+        argv = ["tune", "tiny", "--target", "top1=0.75", "--trials", "5", "--parallel", "2", "--device", "cpu",
+                "--space", str(tmp_path / "space.py"), "--storage", user_url, "--out", str(out)]
+        line = one_line_error(speedrun(*argv, timeout=300), "the same failure 3 times in a row: loss became nan",
+                              code=3)
+        assert "the search stopped" in line and not (out / "study.db").exists()
+        import optuna
+
+        trials = optuna.load_study(study_name="speedrun-tune", storage=pg.url).trials
+        failed = [t for t in trials if str(t.state) == "TrialState.FAIL"]
+        assert all(t.user_attrs["state"] == "failed" for t in failed)
+        assert all(t.user_attrs["why"].startswith("loss became nan at epoch 1") for t in failed)
+        # Two at a time: a fourth may have started; asked to stop when the search ended, it failed
+        # first or stopped at a step.
+        assert len(trials) in (3, 4) and len(failed) >= 3
+        assert [t.user_attrs["state"] for t in trials if t not in failed] in ([], ["stopped"])
+        # The same command with as many trials as the database holds: continued from it, nothing to run.
+        again = speedrun(*[a if a != "5" else str(len(trials)) for a in argv], "--json", timeout=300)
+        assert again.returncode == 0, again.stderr
+        assert len(json.loads(again.stdout)["trials"]) == len(trials) and "lr_scale=" not in again.stderr
+        assert json.loads(again.stdout)["storage"] == pg.url  # psycopg 3 for the plain URL

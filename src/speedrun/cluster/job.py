@@ -204,6 +204,16 @@ class Job(ABC):
         going on after a failure, with the price (SPEEDRUN_PRICE) when known; says how they were
         spread, and returns when all have ended (`ablate --job`)."""
 
+    # Whether `start_command` can start one command on one task (`speedrun tune --job`).
+    single_commands = False
+
+    def start_command(self, task: int, command: str, *, name: str, cwd: str, env: Mapping[str, str]) -> None:
+        """Start shell text `command` on task `task` alone, in `cwd`, as its own command called
+        `name` (its state: `tasks[task].command(name)`), and return at once. Jobs that cannot
+        (single_commands False) say so."""
+        raise SpeedrunError(f"job {self.name} ({self.provider.kind}) cannot start a command on one of its tasks "
+                            "alone: use a job of tmux tasks (local, ssh, aws)")
+
     # --- state ---
     @abstractmethod
     def status(self, name: str = "train") -> list[TaskStatus]:

@@ -94,6 +94,11 @@ class TmuxJob(Job):
         """task.run(command, **kwargs) on every task at once; a list of their Results (or Commands)."""
         return parallel(lambda t: t.run(command, **kwargs), self.tasks)
 
+    single_commands = True
+
+    def start_command(self, task: int, command: str, *, name: str, cwd: str, env: Mapping[str, str]) -> None:
+        self.tasks[task].run(command, background=True, name=name, env=env, cwd=cwd)
+
     def machine_count(self) -> int:
         """The machines the job holds: tasks on one host count once."""
         return len({t.host.key for t in self.tasks})

@@ -12,7 +12,7 @@ from speedrun.config import absolute_data
 from speedrun.console import output_console, print_table
 from speedrun.errors import SpeedrunError, stop_on_sigterm
 from speedrun.files import to_json
-from speedrun.inputs import WORKERS, Bound, given, given_path
+from speedrun.inputs import SEED, USD_PER_HOUR, WORKERS, Bound, given, given_path
 from speedrun.recipe import EPOCHS
 
 STEPS = Bound(int, 2, 100_000)
@@ -41,7 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=given_path, default=None, metavar="DIR",
                    help="where lr_find.json and lr_find.png go (default: runs/lr-find-<recipe>-<date>-<time>)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available, else cpu")
-    p.add_argument("--seed", type=Bound(int, 0, 2**32 - 1), default=0, help="random seed (default 0)")
+    p.add_argument("--seed", type=SEED, default=0, help="random seed (default 0)")
     p.add_argument("--workers", type=WORKERS, default=None, metavar="N", help="decode processes, as for train")
     p.add_argument("--json", action="store_true", help="print the finding as JSON, for scripts")
     p.set_defaults(func=cmd_lr_find)
@@ -62,14 +62,18 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="what each trial must reach (default: the recipe's target)")
     p.add_argument("--epochs", type=EPOCHS, default=None, metavar="N", help="cut or stretch the recipe first")
     p.add_argument("--trials", type=TRIALS, required=True, metavar="N", help="trials in all, continued ones counted")
-    p.add_argument("--parallel", type=PARALLEL, default=1, metavar="K",
-                   help="trials at a time on this machine (each gets its share of the cores, or its own GPU)")
+    p.add_argument("--parallel", type=PARALLEL, default=None, metavar="K",
+                   help="trials at a time (default 1; with --job, one per task): on this machine each gets its "
+                   "share of the cores, or its own GPU")
+    p.add_argument("--job", type=given, default=None, metavar="NAME",
+                   help="run the trials on this job's tasks, one per task at a time (a job of tmux tasks: local, "
+                   "ssh, aws); the study stays on this machine")
     p.add_argument("--objective", choices=("time", "cost"), default="time",
                    help="minimise the time to target (default) or the $ to target (needs --price-per-hour)")
     p.add_argument("--budget", default=None, metavar="DURATION|$USD",
                    help="stop the search after this much wall time (2h, 90m, 600s) or $ (with a price); "
                    "running trials stop at a step")
-    p.add_argument("--price-per-hour", type=Bound(float, 0.0001, 10_000), default=None, metavar="USD",
+    p.add_argument("--price-per-hour", type=USD_PER_HOUR, default=None, metavar="USD",
                    help="what this machine costs, $ per hour: trials record their $ to target")
     p.add_argument("--space", type=given_path, default=None, metavar="FILE.py",
                    help="a file defining `space`, a dict of field -> Range or Choice, instead of the default")
@@ -79,7 +83,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="a trial's wall time at the first rung, where it is first compared (default 60)")
     p.add_argument("--eta", type=Bound(int, 2, 100), default=3, metavar="N",
                    help="rungs lie at first-rung x eta^k s; a trial goes on if in the best 1/eta there (default 3)")
-    p.add_argument("--seed", type=Bound(int, 0, 2**32 - 1), default=0,
+    p.add_argument("--seed", type=SEED, default=0,
                    help="the sampler's seed and every trial's (default 0)")
     p.add_argument("--out", type=given_path, default=None, metavar="DIR",
                    help="the search's directory (default: runs/tune-<recipe>)")
@@ -157,12 +161,13 @@ def check_out(out: Path) -> None:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from speedrun.money import Price, price_from_env
+    from speedrun.money import PRICE_ENV, Price, price_from_env
     from speedrun.recipe import Target
     from speedrun.recipes.fitting import recipe_for
     from speedrun.tune import report
     from speedrun.tune.space import apply, check_space, corners, default_space, describe, load_space
     from speedrun.tune.study import Controller, Search, open_study, shown, storage_url
+    from speedrun.tune.trials import JobTrials, LocalTrials, trial_env
 
     recipe = recipe_for(args.recipe, args.data, args.workers)
     if args.epochs is not None:
@@ -172,10 +177,18 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if recipe.target is None:
         raise SpeedrunError(f"recipe {recipe.name} has no target, and a search needs one: give --target top1=0.9")
     recipe.validate()
-    check_parallel(args.parallel, args.device)
-    price = price_from_env()
+    job = open_trial_job(args.job) if args.job else None
+    parallel = args.parallel or (len(job.tasks) if job else 1)
+    if job and parallel > len(job.tasks):
+        raise SpeedrunError(f"--parallel {parallel}: job {job.name} has {len(job.tasks)} task(s), one trial per task")
+    if not job:
+        check_parallel(parallel, args.device)
+    price = job.price() if job else price_from_env()
     if args.price_per_hour is not None:
-        price = Price("this machine", "given", 1, args.price_per_hour, "--price-per-hour")
+        price = Price(f"job {job.name}'s machine" if job else "this machine", "given", 1, args.price_per_hour,
+                      "--price-per-hour")
+    if price is not None:
+        price = dataclasses.replace(price, machines=1)  # a trial holds one machine (one of the job's tasks)
     budget_s, budget_usd = parse_budget(args.budget)
     if (args.objective == "cost" or budget_usd is not None) and price is None:
         raise SpeedrunError("--objective cost and a $ budget need the machine's price: give --price-per-hour")
@@ -185,7 +198,13 @@ def cmd_tune(args: argparse.Namespace) -> int:
         raise SpeedrunError(f"--budget {args.budget} cannot hold one trial: the first rung, where a trial is first "
                             f"judged, is at {args.first_rung:g} s (--first-rung)")
     space = load_space(args.space) if args.space else None
-    out = args.out or Path("runs") / f"tune-{recipe.name}"
+    if job:  # the trials under the job's run directory; the study and the report here
+        from speedrun.cluster.registry import speedrun_home
+
+        remote = str(args.out or f"tune-{recipe.name}")
+        out = speedrun_home() / "tune" / job.name / Path(remote).name
+    else:
+        out = args.out or Path("runs") / f"tune-{recipe.name}"
     check_out(out)
 
     console = output_console(stderr=args.json)
@@ -200,19 +219,26 @@ def cmd_tune(args: argparse.Namespace) -> int:
             raise SpeedrunError(f"the search space reaches a recipe that cannot run: {e}") from None
     train_args = [*(["--device", args.device] if args.device else []),
                   *(["--workers", str(args.workers)] if args.workers else [])]
-    search = Search(recipe, space, args.trials, args.parallel, args.objective, budget_s, args.seed,
+    search = Search(recipe, space, args.trials, parallel, args.objective, budget_s, args.seed,
                     absolute_data(args.data), tuple(train_args), args.first_rung, args.eta, price)
     url = storage_url(out, args.storage)
     out.mkdir(parents=True, exist_ok=True)
     study = open_study(url, search)
-    say(f"tune {recipe.name} to {recipe.target}: {args.trials} trials, {args.parallel} at a time, objective "
+    where = f"on job {job.name}'s tasks" if job else "on this machine"
+    say(f"tune {recipe.name} to {recipe.target}: {args.trials} trials, {parallel} at a time {where}, objective "
         f"{args.objective}; study in {shown(url)}")
     print_table(console, [{"field": k, "searched over": v} for k, v in describe(space).items()])
     restore_sigterm = stop_on_sigterm()  # `kill` stops the search as Ctrl-C does, trials at a step
+    extra = {PRICE_ENV: price.to_env()} if price else {}
+    if job:
+        trials, env = JobTrials(job, remote, parallel, out), extra
+    else:
+        trials, env = LocalTrials(out, parallel), trial_env(parallel, extra)
     try:
-        Controller(out, search, study, say).run()
+        Controller(out, search, study, say, trials, env).run()
     finally:
         restore_sigterm()
+        trials.bring_back(say)
 
     found = report.records(study)
     print_table(console, report.rows(found, args.objective), title=f"trials, by {args.objective} to {recipe.target}")
@@ -244,3 +270,14 @@ def suggested_lr(recipe, args: argparse.Namespace, out: Path, say) -> float:
     write_finding(finding, out)
     say(f"lr-find suggests {finding.recipe_lr:.3g} in the recipe's terms ({finding.rule})")
     return finding.recipe_lr
+
+
+def open_trial_job(name: str):
+    """The job NAME, which must be able to start one command on one task (a trial)."""
+    from speedrun.cluster.reopen import open_job
+
+    job = open_job(name)
+    if not job.single_commands:
+        raise SpeedrunError(f"--job {name}: a {job.provider.kind} job cannot run one trial per task; tune runs "
+                            "trials on jobs of tmux tasks (local, ssh, aws)")
+    return job

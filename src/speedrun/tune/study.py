@@ -25,15 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from speedrun.errors import EXIT_BAD_INPUT, EXIT_FAILED, SpeedrunError, one_line
-from speedrun.money import PRICE_ENV, Price
+from speedrun.money import Price
 from speedrun.recipe import Recipe
 from speedrun.recipes import recipe_source
-from speedrun.rundir import run_status
 from speedrun.tune import asha
 from speedrun.tune.space import Dimension, apply
-from speedrun.tune.trials import TrialRun, same_failure, trial_env
+from speedrun.tune.trials import JobTrials, LocalTrials, TrialRun, same_failure
 
-POLL_S = 1.0  # how often the controller looks at its trials, seconds
 SAME_FAILURES = 3  # this many failures of one kind in a row end the search
 STUDY_NAME = "speedrun-tune"
 OBJECTIVES = {"time": "time_to_target_s", "cost": "cost_to_target_usd"}  # --objective -> results.json's field
@@ -72,8 +70,17 @@ class Search:
 
 
 def storage_url(out: Path, storage: str | None) -> str:
-    """`storage`, or the SQLite file in the search's directory (only the controller writes it)."""
-    return storage or f"sqlite:///{(out / 'study.db').resolve()}"
+    """`storage`, or the SQLite file in the search's directory (only the controller writes it). A
+    plain postgresql:// URL means SQLAlchemy's default driver, psycopg2; with only psycopg (3, the
+    `speedrun[postgres]` extra) installed, it is the one used."""
+    if storage is None:
+        return f"sqlite:///{(out / 'study.db').resolve()}"
+    if storage.startswith("postgresql://"):
+        import importlib.util
+
+        if importlib.util.find_spec("psycopg2") is None and importlib.util.find_spec("psycopg") is not None:
+            return "postgresql+psycopg://" + storage.removeprefix("postgresql://")
+    return storage
 
 
 def shown(url: str) -> str:
@@ -116,8 +123,10 @@ def open_study(url: str, search: Search):
 class Controller:
     """Runs a search to its end (see the module's text)."""
 
-    def __init__(self, out: Path, search: Search, study, say: Callable[[str], None]):
+    def __init__(self, out: Path, search: Search, study, say: Callable[[str], None],
+                 trials: LocalTrials | JobTrials, env: dict[str, str]):
         self.out, self.search, self.study, self.say = out, search, study, say
+        self.trials, self.env = trials, env  # where trials run, and their environment
         self.metric = search.recipe.target.metric
         self.running: dict[int, TrialRun] = {}
         self.trial_ids: dict[int, int] = {t.number: t._trial_id for t in study.trials}
@@ -127,8 +136,6 @@ class Controller:
         self.failed: str | None = None  # why the search failed (exit 3), when it did
         self.started = time.monotonic()
         self.spent_before = float(study.user_attrs.get("spent_s", 0.0))
-        env = {PRICE_ENV: search.price.to_env()} if search.price else {}
-        self.env = trial_env(search.parallel, env)
 
     def run(self) -> None:
         """Until `trials` trials have ended (or the budget is spent, or the search failed)."""
@@ -136,7 +143,7 @@ class Controller:
 
         for t in self.study.get_trials(deepcopy=False):
             if t.state != optuna.trial.TrialState.RUNNING:
-                self.ended_evals[t.number] = TrialRun(t.number, self.out).evals()
+                self.ended_evals[t.number] = self.trials.existing(t.number, t.user_attrs).evals()
         try:
             self.take_over()
             while True:
@@ -146,7 +153,7 @@ class Controller:
                 self.fill()
                 if not self.running:
                     break
-                time.sleep(POLL_S)
+                time.sleep(self.trials.poll_s)
         except KeyboardInterrupt:
             self.halt()
             raise KeyboardInterrupt(f"search stopped, {len(self.running)} trial(s) at a step: "
@@ -160,7 +167,7 @@ class Controller:
         """Every running trial stopped at a step and waited for, left running in the study: the same
         command resumes them."""
         for run in self.running.values():
-            run.interrupt() if run.proc else run.stop("the search was interrupted")  # adopted: no process of ours
+            run.interrupt()
         for run in self.running.values():
             run.wait()
 
@@ -175,12 +182,11 @@ class Controller:
         import optuna
 
         for t in self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
-            run = TrialRun(t.number, self.out, stopped_for=t.user_attrs.get("stopping"),
-                           verdicts=list(t.user_attrs.get("rungs_passed", [])))
+            run = self.trials.existing(t.number, t.user_attrs)
             if run.alive():
                 self.running[t.number] = run
                 self.say(f"trial {t.number}: still running, adopted")
-            elif run.stopped_for or run_status(run.dir) in (*COMPLETE, "failed"):
+            elif run.stopped_for or run.results().get("status") in (*COMPLETE, "failed"):
                 self.tell(run)
             else:
                 self.begin(run, t.params)
@@ -191,22 +197,24 @@ class Controller:
                 len(self.study.trials) < self.search.trials:
             trial = self.study.ask({k: d.distribution() for k, d in self.search.space.items()})
             self.trial_ids[trial.number] = trial._trial_id
-            self.begin(TrialRun(trial.number, self.out), trial.params)
+            self.begin(self.trials.new(trial.number, self.running), trial.params)
 
     def begin(self, run: TrialRun, params: dict[str, Any]) -> None:
         """Write the trial's recipe and start (or resume) it."""
         trial = self.trial(run.number)
-        trial.set_user_attr("dir", str(run.dir.relative_to(self.out)))
+        trial.set_user_attr("dir", run.dir)
+        if run.task is not None:
+            trial.set_user_attr("task", run.task)
         try:
             recipe = apply(self.search.recipe, params, f"{self.search.recipe.name}-trial{run.number:03d}")
         except SpeedrunError as e:
             return self.tell(run, failure=str(e))
-        run.recipe_path.parent.mkdir(parents=True, exist_ok=True)
         values = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())
-        run.recipe_path.write_text(recipe_source(recipe, f'"""Trial {run.number} of speedrun tune: {values}."""\n'))
+        run.write_recipe(recipe_source(recipe, f'"""Trial {run.number} of speedrun tune: {values}."""\n'))
         resumed = run.start(self.search.seed, self.search.data, self.search.train_args, self.env)
         self.running[run.number] = run
-        self.say(f"trial {run.number}{' resumed' if resumed else ''}: {values}")
+        where = f" on task {run.task}" if run.task is not None else ""
+        self.say(f"trial {run.number}{' resumed' if resumed else ''}{where}: {values}")
 
     def judge(self) -> None:
         """Stop each running trial that is behind at a rung it has passed (asha.py)."""
@@ -256,7 +264,7 @@ class Controller:
         import optuna
 
         State = optuna.trial.TrialState
-        results = read_results(run.dir)
+        results = run.results()
         status = results.get("status")
         value = results.get(OBJECTIVES[self.search.objective])
         trial = self.trial(run.number)
@@ -304,11 +312,3 @@ class Controller:
         import optuna
 
         return optuna.Trial(self.study, self.trial_ids[number])
-
-
-def read_results(run_dir: Path) -> dict[str, Any]:
-    try:
-        data = json.loads((run_dir / "results.json").read_text())
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
