@@ -74,6 +74,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = [item for item in items if not in_full_tier(item)]
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # matplotlib builds its font cache on its first import on a machine by running `fc-list`: done
+    # here, before any unit-tier test runs, so a fresh machine's first plot is not refused as a
+    # process the test started.
+    import matplotlib.font_manager  # noqa: F401
+
+
 @contextlib.contextmanager
 def no_process_started(item: pytest.Item) -> Iterator[None]:
     """While a unit-tier test (or a fixture it sets up, of any scope) runs: starting a process fails

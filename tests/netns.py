@@ -287,8 +287,20 @@ class NetnsCluster:
 
     def set_link(self, host: NetnsHost, up: bool) -> None:
         """Cut (up=False) or restore a host's link to the network, as a partition would: its
-        processes keep running, unreachable meanwhile."""
+        processes keep running, unreachable meanwhile. Restoring returns once this machine
+        reaches the host's sshd again: an ARP resolution begun while the link was cut ends in
+        failure up to 3 s after it is back, failing every packet queued on it ("No route to
+        host"), as it would on a real network healing."""
         ip("link", "set", self._veth_root(host.index), "up" if up else "down")
+        if up:
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    socket.create_connection((host.address, host.port), timeout=1).close()
+                    return
+                except OSError as e:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"{host.spec} unreachable 30 s after its link came back: {e}") from e
 
     def set_path_from_here(self, host: NetnsHost, up: bool) -> None:
         """Cut (up=False) or restore the path between this machine and `host` alone, as a firewall
