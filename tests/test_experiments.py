@@ -169,12 +169,13 @@ def test_ablate_runs_every_variant_with_two_seeds_and_an_interrupted_one_finishe
         os.killpg(proc.pid, signal.SIGINT)  # it stops its run too: nothing left training beside later tests
         proc.communicate(timeout=120)
         raise
-    done_before = {r for r in runs if (out / r[0] / f"seed{r[1]}/results.json").is_file()
-                   and results(out / r[0] / f"seed{r[1]}")["status"] in ("finished", "target_reached")}
     os.killpg(proc.pid, signal.SIGINT)
     proc.communicate(timeout=120)
     assert proc.returncode == 130
-    assert done_before >= set(runs[:2])
+    # Read once it has stopped: the third run may still finish between a look and the Ctrl-C.
+    done_before = {r for r in runs if (out / r[0] / f"seed{r[1]}/results.json").is_file()
+                   and results(out / r[0] / f"seed{r[1]}")["status"] in ("finished", "target_reached")}
+    assert set(runs[:2]) <= done_before and runs[3] not in done_before
     stamps = {r: (out / r[0] / f"seed{r[1]}/results.json").stat().st_mtime_ns for r in done_before}
 
     again = speedrun(*argv, env=WIDE)
