@@ -46,7 +46,8 @@ VARIANTS = {
 
 
 def images_per_second(model_name: str, size: int, batch: int, device: torch.device, steps: int, warmup: int,
-                      precision: str, channels_last: bool, compile: bool, fused: bool, autotune: bool) -> float:
+                      precision: str, channels_last: bool, compile: bool, fused: bool, autotune: bool,
+                      compile_backend: str = "inductor") -> float:
     """Steady-state training images/s: `warmup` untimed steps (cuDNN autotuning, compilation),
     then `steps` timed ones."""
     torch.manual_seed(0)
@@ -58,7 +59,7 @@ def images_per_second(model_name: str, size: int, batch: int, device: torch.devi
     layout = torch.channels_last if channels_last and device.type == "cuda" else torch.contiguous_format
     model = build_model(model_name, num_classes=1000, in_chans=3).to(device, memory_format=layout)
     optimizer = build_optimizer(model, OptimizerSettings(weight_decay=1e-4), lr=0.01, fused=fused)
-    net = torch.compile(model, dynamic=False) if compile else model
+    net = torch.compile(model, dynamic=False, backend=compile_backend) if compile else model
     x = torch.randn(batch, 3, size, size, device=device).contiguous(memory_format=layout)
     y = torch.randint(0, 1000, (batch,), device=device)
     criterion = nn.CrossEntropyLoss()
@@ -91,6 +92,10 @@ def main() -> None:
                         help="every --variants entry at this size only; baseline and speedrun at the others "
                              "(on an H200 each variant costs ~12 s, most of it cuDNN autotuning)")
     parser.add_argument("--json", help="also write the images/s per size and variant here")
+    parser.add_argument("--compile-backend", default="inductor",
+                        help="torch.compile's backend for +compile (default: inductor, as `speedrun train "
+                             "--compile`; aot_eager traces the same graphs without generating kernels: "
+                             "gpu_check.sh's smoke run, which checks the script, not the speed)")
     args = parser.parse_args()
     if len(args.batch) != len(args.sizes):
         parser.error("give one --batch per --sizes entry")
@@ -105,7 +110,8 @@ def main() -> None:
     for size, batch in zip(args.sizes, args.batch):
         variants = [v for v in args.variants
                     if args.ablate_at in (None, size) or v in ("baseline", "speedrun", reference)]
-        rates = {v: images_per_second(args.model, size, batch, device, args.steps, args.warmup, **VARIANTS[v])
+        rates = {v: images_per_second(args.model, size, batch, device, args.steps, args.warmup, **VARIANTS[v],
+                                      compile_backend=args.compile_backend)
                  for v in variants}
         ratios = ", ".join(f"{v} {rates[v] / rates[reference]:.2f}x" for v in variants if v != reference)
         cells = (f"{rates[v]:>14.0f}" if v in rates else f"{'-':>14}" for v in args.variants)
@@ -114,7 +120,7 @@ def main() -> None:
         if args.json:  # after every size, atomically: a run cut short by a timeout keeps its finished rows
             write_text(args.json, json.dumps({
                 "model": args.model, "device": name, "torch": torch.__version__, "steps": args.steps,
-                "warmup": args.warmup, "rows": rows,
+                "warmup": args.warmup, "compile_backend": args.compile_backend, "rows": rows,
                 "complete": len(rows) == len(args.sizes),  # gpu_check.sh tells this from a run cut short
             }, indent=2))
 

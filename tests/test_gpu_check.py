@@ -41,6 +41,7 @@ def test_gpu_check_runs_every_step_and_summarises_them(tmp_path):
                                                              {"baseline", "speedrun"}]
     compiled = json.loads((out / "gpu-check-compile.json").read_text())
     assert set(compiled["rows"][0]["images_per_s"]) == {"speedrun", "+compile"}
+    assert compiled["compile_backend"] == "aot_eager"  # the device's run compiles with inductor
     # Each benchmark marks its results complete last, which run_step reads when a step ends badly.
     feed = json.loads((out / "gpu-check-feed.json").read_text())
     assert step["complete"] is compiled["complete"] is feed["complete"] is True
