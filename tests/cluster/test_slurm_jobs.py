@@ -20,6 +20,7 @@ from cli_run import in_terminal, terminal_exit, wait_for
 from slurm_cluster import SlurmCluster, require
 from speedrun.cli import main
 from speedrun.cluster import make_job, open_job
+from speedrun.cluster.registry import speedrun_home
 from speedrun.cluster.slurm.config import SlurmConfig
 from speedrun.cluster.slurm.scripts import array_script, batch_script, node_script, step_script
 from speedrun.track import read_jsonl
@@ -352,6 +353,45 @@ def test_ablate_on_a_slurm_job_runs_as_a_job_array_and_compare_reads_it_back(in_
     assert elements == ["0.out", "1.out"]  # one array element per run
     code, out, err = speedrun(capsys, "compare", "ablated", "--plot", str(tmp_path / "job.png"))
     assert code == 0 and "2 runs" in out, out + err
+
+
+def test_tune_on_a_slurm_job_runs_each_trial_as_a_one_node_slurm_job_and_reports_here(in_cluster, tmp_path, capsys):
+    job = make_job("tuned", 2, provider="slurm", run_root=str(tmp_path))
+    (tmp_path / "space.py").write_text("from speedrun.tune.space import Range\n"
+                                       "space = {'label_smoothing': Range(0, 0.1)}\n")
+    code, out, err = speedrun(capsys, "tune", "tiny", "--job", "tuned", "--epochs", "1", "--target", "top1=0.3",
+                              "--trials", "3", "--space", str(tmp_path / "space.py"), "--device", "cpu", "--json")
+    assert code == 0, out + err
+    summary = json.loads(out[out.index("{"):])
+    assert sorted(t["number"] for t in summary["trials"]) == [0, 1, 2]
+    assert all(t["state"] == "complete" for t in summary["trials"]), summary["trials"]
+    assert "trial 0 on task 0:" in err and "trial 1 on task 1:" in err  # two at once: the job's two slots
+    nodes = set()
+    for t in summary["trials"]:
+        folder = Path(job.run_dir) / "slurm" / f"trial-{t['number']:03d}"  # a Slurm job of its own
+        assert (folder / "status").read_text().strip() == "0" and (folder / "job_id").exists()
+        nodes.add((folder / "node").read_text().strip())
+        results = json.loads((Path(job.run_dir) / "tune-tiny" / t["dir"] / "results.json").read_text())
+        assert results["status"] == "target_reached" and results["recipe"]["name"] == f"tiny-trial{t['number']:03d}"
+    assert nodes <= {"node1", "node2", "node3"} and len(nodes) >= 2
+    local = speedrun_home() / "tune" / "tuned" / "tune-tiny"
+    assert (local / "best_recipe.py").exists()
+    assert all((local / t["dir"] / "results.json").exists() for t in summary["trials"])
+
+
+def test_a_command_started_alone_on_a_slurm_job_is_running_then_killed_with_the_job(in_cluster, tmp_path):
+    job = make_job("alone", 2, provider="slurm", run_root=str(tmp_path))
+    assert job.command_state(1, "nap") == "none"
+    job.start_command(1, "echo task $SPEEDRUN_TASK of $SPEEDRUN_NUM_TASKS; echo $MINE; exec sleep 300", name="nap",
+                      cwd=str(tmp_path), env={"MINE": "given"})
+    wait_for(lambda: job.command_output(1, "nap").startswith("task 1 of 2\ngiven"), 60, "the command to start")
+    assert job.command_state(1, "nap") == "running"
+    assert job.kill() == []  # speedrun kill: the job's commands too
+    wait_for(lambda: job.command_state(1, "nap") != "running", 60, "the command to end")
+    assert job.command_state(1, "nap") in ("143", "killed")  # SIGTERM's status, or none written before SIGKILL
+    job.start_command(1, "exit 3", name="nap", cwd=str(tmp_path), env={})  # started again: its state anew
+    wait_for(lambda: job.command_state(1, "nap") not in ("running", "143", "killed"), 60, "the second start to end")
+    assert job.command_state(1, "nap") == "3"
 
 
 def test_check_runs_as_a_slurm_job_of_its_own_and_measures_the_nodes_all_reduce(in_cluster, tmp_path, capsys):

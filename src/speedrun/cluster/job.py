@@ -209,10 +209,23 @@ class Job(ABC):
 
     def start_command(self, task: int, command: str, *, name: str, cwd: str, env: Mapping[str, str]) -> None:
         """Start shell text `command` on task `task` alone, in `cwd`, as its own command called
-        `name` (its state: `tasks[task].command(name)`), and return at once. Jobs that cannot
-        (single_commands False) say so."""
-        raise SpeedrunError(f"job {self.name} ({self.provider.kind}) cannot start a command on one of its tasks "
-                            "alone: use a job of tmux tasks (local, ssh, aws)")
+        `name` (see command_state), with `env` beside the job's variables, and return at once. Jobs
+        that cannot (single_commands False) say so."""
+        raise self._no_single_commands()
+
+    def command_state(self, task: int, name: str) -> str:
+        """The newest command `name` that start_command started on task `task`: `running` (on Slurm,
+        also while it waits for a node), its exit status as text (`0` is success), `killed`, `lost`
+        (it ended without an exit status), or `none` before it ever started."""
+        raise self._no_single_commands()
+
+    def command_output(self, task: int, name: str) -> str:
+        """Everything that command printed so far ("" before it started)."""
+        raise self._no_single_commands()
+
+    def _no_single_commands(self) -> SpeedrunError:
+        return SpeedrunError(f"job {self.name} ({self.provider.kind}) cannot start a command on one of its tasks "
+                             "alone: use a job of tmux tasks (local, ssh, aws) or a Slurm job")
 
     # --- state ---
     @abstractmethod

@@ -97,7 +97,16 @@ class TmuxJob(Job):
     single_commands = True
 
     def start_command(self, task: int, command: str, *, name: str, cwd: str, env: Mapping[str, str]) -> None:
+        """A window `name` of the task's tmux session (Job.start_command)."""
         self.tasks[task].run(command, background=True, name=name, env=env, cwd=cwd)
+
+    def command_state(self, task: int, name: str) -> str:
+        command = self.tasks[task].command(name)
+        return command.state() if command is not None else "none"
+
+    def command_output(self, task: int, name: str) -> str:
+        command = self.tasks[task].command(name)
+        return command.output() if command is not None else ""
 
     def machine_count(self) -> int:
         """The machines the job holds: tasks on one host count once."""

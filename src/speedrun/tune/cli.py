@@ -279,5 +279,5 @@ def open_trial_job(name: str):
     job = open_job(name)
     if not job.single_commands:
         raise SpeedrunError(f"--job {name}: a {job.provider.kind} job cannot run one trial per task; tune runs "
-                            "trials on jobs of tmux tasks (local, ssh, aws)")
+                            "trials on jobs of tmux tasks (local, ssh, aws) and on Slurm jobs")
     return job

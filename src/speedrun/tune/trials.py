@@ -243,8 +243,7 @@ class JobTrial(TrialRun):
     def state(self) -> str:
         """The trial's command state on its task (`running`, its exit status, `killed`, `lost`, or
         `none` before it ever started there)."""
-        command = self.job.tasks[self.task].command(self.window)
-        self._state = command.state() if command is not None else "none"
+        self._state = self.job.command_state(self.task, self.window)
         return self._state
 
     def alive(self) -> bool:
@@ -271,8 +270,7 @@ class JobTrial(TrialRun):
         return int(self._state) if self._state and re.fullmatch(r"-?\d+", self._state) else None
 
     def failure(self) -> str:
-        command = self.job.tasks[self.task].command(self.window)
-        return failure_line(command.output() if command is not None else "", self.exit_code)
+        return failure_line(self.job.command_output(self.task, self.window), self.exit_code)
 
 
 class LocalTrials:

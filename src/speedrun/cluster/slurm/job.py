@@ -35,7 +35,8 @@ from speedrun.cluster.provider import Provider
 from speedrun.cluster.states import ReportFold, TaskStatus, telling_line
 from speedrun.cluster.slurm.config import SlurmConfig
 from speedrun.cluster.slurm.queue import SlurmJobState, active, cancel, job_state, lost_nodes, submit
-from speedrun.cluster.slurm.scripts import array_script, batch_script, command_text, node_script, step_script
+from speedrun.cluster.slurm.scripts import (array_script, batch_script, command_script, command_text, node_script,
+                                            step_script)
 from speedrun.cluster.slurm.submit import check_request
 from speedrun.cluster.task import CommandFailed, Result, Task, check_name, status_code, tmux_message
 from speedrun.cluster.tensorboard import TensorBoard, free_local_port, start_tensorboard
@@ -241,6 +242,55 @@ class SlurmJob(Job):
         while active(job_id):
             time.sleep(POLL_S)  # asking the controller, as squeue users do, at a modest rate
 
+    # One command on one node (speedrun tune's trials), each a Slurm job of its own in
+    # <run_dir>/slurm/<name>/: the job's tasks are slots here, Slurm picks the node.
+    single_commands = True
+
+    def start_command(self, task: int, command: str, *, name: str, cwd: str, env: Mapping[str, str]) -> None:
+        """Submit `command` as a one-node Slurm job of its own (scripts.command_script), in place of
+        task `task`; it starts when Slurm gives it a node. A command of that name started before is
+        replaced (its files; one still queued or running is cancelled first)."""
+        check_name(name)
+        folder = self.slurm_dir / name
+        old = _read(folder / "job_id")
+        if old is not None:
+            cancel(old)
+        folder.mkdir(parents=True, exist_ok=True)
+        for stale in ("job_id", "status", "node", "log"):
+            (folder / stale).unlink(missing_ok=True)
+        files.write_text(folder / "command.sh", command + "\n")
+        script = folder / "command.sbatch"
+        files.write_text(script, command_script(job=self.name, name=name, task=task, nodes=len(self.tasks),
+                                                run_dir=self.run_dir, cwd=cwd, config=self.config,
+                                                env={**self.price_environment(), **env}))
+        job_id = submit(str(script), what=f"submit {name} for job {self.name}")
+        files.write_text(folder / "job_id", job_id + "\n")
+        log.info("job %s: %s submitted as slurm job %s", self.name, name, job_id)
+
+    def command_state(self, task: int, name: str) -> str:
+        """See Job.command_state: from the command's status file, else from Slurm (pending counts
+        as running: the command is Slurm's to start)."""
+        folder = self.slurm_dir / name
+        job_id = _read(folder / "job_id")
+        if job_id is None:
+            return "none"
+        status = _read(folder / "status")
+        if status is not None:
+            return status
+        state = job_state(job_id)
+        if state is not None and not state.ended:
+            return "running"
+        status = _read(folder / "status")  # written just before the job ended
+        if status is not None:
+            return status
+        return "killed" if state is not None and state.state in ("CANCELLED", "TIMEOUT") else "lost"
+
+    def command_output(self, task: int, name: str) -> str:
+        try:
+            return (self.slurm_dir / name / "log").read_text(errors="replace")
+        except OSError:
+            return ""
+
     # --- state ---
     def latest(self, index: int, name: str, *, on_node: bool = False) -> Path | None:
         """Task `index`'s newest command directory called `name` (a glob: "*" for any); None before
@@ -316,6 +366,10 @@ class SlurmJob(Job):
         job_id = self.slurm_job_id()
         if job_id is not None:
             cancel(job_id)
+        for own in sorted(self.slurm_dir.glob("*/job_id")):  # start_command's, each a Slurm job of its own
+            other = _read(own)
+            if other is not None and not (own.parent / "status").exists():
+                cancel(other)
         self.tasks[0].kill()
         return []
 

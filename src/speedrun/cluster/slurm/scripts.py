@@ -10,6 +10,8 @@ task runs (`node_script`), both written to `<run_dir>/slurm/` on the shared file
         requeued            between a requeue and the next start: when, what kind and why
         nodes               the last start's nodes (for the next start: was one lost?)
         output_size         where the last start's part of slurm-<jobid>.out begins
+        <name>/             a one-node command of its own (command_script: tune's trials), a
+                            one-off step (step_script: check's) or a job array (array_script: ablate's)
 
 Each start of the job (the first and every requeue) gives each task a fresh numbered command
 directory, `<run_dir>/task-<i>/cmds/<NNNNNN>-<name>/` (command.sh, node, log, status), as the
@@ -261,6 +263,34 @@ def array_script(*, job: str, name: str, count: int, limit: int, run_dir: str, c
     return f"""#!/bin/bash
 {header}# Written by speedrun for job {job}: one of {count} independent commands ({name}), by array index.
 exec bash {q(run_dir)}/slurm/{q(name)}/"$SLURM_ARRAY_TASK_ID".sh
+"""
+
+
+def command_script(*, job: str, name: str, task: int, nodes: int, run_dir: str, cwd: str, config: SlurmConfig,
+                   env: dict[str, str]) -> str:
+    """A batch script running one command on one node in `cwd`, in place of task `task` of job
+    `job` (`speedrun tune`'s trials: SlurmJob.start_command), never requeued. Its folder
+    `<run_dir>/slurm/<name>/` holds the command (command.sh), its output (log), the node it ran on
+    (node) and, once it has ended, its exit status (status)."""
+    folder = f"{run_dir}/slurm/{name}"
+    options = [f"--job-name={job}-{name}", "--nodes=1", "--ntasks=1", f"--chdir={cwd}", f"--output={folder}/log",
+               "--no-requeue", *config.sbatch_options()]
+    header = "".join(f"#SBATCH {o}\n" for o in options)
+    exports = "".join(f"export {k}={q(v)}\n" for k, v in env.items())
+    return f"""#!/bin/bash
+{header}# Written by speedrun for job {job}: {name}, one command on one node, as task {task}.
+export SPEEDRUN_JOB={q(job)} SPEEDRUN_RUN_DIR={q(run_dir)} SPEEDRUN_TASK={task} SPEEDRUN_NUM_TASKS={nodes}
+export PYTHONUNBUFFERED=1
+{exports}echo "${{SLURMD_NODENAME:-$(hostname)}}" > {q(folder)}/node
+# scancel signals every process of the job: the command acts on it (a run stops at a step) and this
+# script waits for it to end, so that its exit status is written.
+trap : TERM INT HUP
+bash {q(folder)}/command.sh &
+while :; do
+    wait $!; s=$?
+    kill -0 $! 2>/dev/null || break
+done
+echo "$s" > {q(folder)}/status
 """
 
 
