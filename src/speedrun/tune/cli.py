@@ -66,8 +66,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="trials at a time (default 1; with --job, one per task): on this machine each gets its "
                    "share of the cores, or its own GPU")
     p.add_argument("--job", type=given, default=None, metavar="NAME",
-                   help="run the trials on this job's tasks, one per task at a time (a job of tmux tasks: local, "
-                   "ssh, aws); the study stays on this machine")
+                   help="run the trials on this job's tasks, one per task at a time (any provider's job; on Slurm "
+                   "each trial is a one-node Slurm job of its own); the study stays on this machine")
     p.add_argument("--objective", choices=("time", "cost"), default="time",
                    help="minimise the time to target (default) or the $ to target (needs --price-per-hour)")
     p.add_argument("--budget", default=None, metavar="DURATION|$USD",
