@@ -83,7 +83,7 @@ def bench(name: str, args: argparse.Namespace, out: Path) -> dict:
     target = args.folder_target if spec["target"] == "folder" else None
     common = [*(["--data", data] if data else []), "--device", "cpu"]
     recipe = recipe_for(spec["recipe"], data)
-    target = target or str(recipe.target)
+    target = target or f"{recipe.target.metric}={recipe.target.value}"
     search = out / f"tune-{name}"
     print(f"== {name}: tune {spec['recipe']} to {target}, {args.budget} of search, {args.parallel} at a time",
           flush=True)

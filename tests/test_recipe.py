@@ -173,6 +173,7 @@ def test_ramp_to_zero_is_allowed_and_builtins_are_valid():
 def test_target_parsing():
     assert Target.parse("top5=0.93") == Target("top5", 0.93)
     assert Target.parse("top1=92") == Target("top1", 0.92)
+    assert Target.parse(str(Target("top1", 0.92))) == Target("top1", 0.92)  # as a recipe's target prints: top1>=0.92
     with pytest.raises(RecipeError):
         Target.parse("top3=0.5")
     with pytest.raises(RecipeError):

@@ -151,14 +151,21 @@ def study_trials(out):
     return optuna.load_study(study_name="speedrun-tune", storage=f"sqlite:///{out / 'study.db'}").get_trials()
 
 
-@pytest.mark.slow
-def test_a_six_trial_search_two_at_a_time_prunes_at_a_step_and_writes_a_best_recipe_that_trains(tmp_path):
+@pytest.fixture(scope="module")
+def six_trials(tmp_path_factory):
+    """A six-trial search, two at a time, of SPACE (made once: the two tests below read it)."""
+    tmp_path = tmp_path_factory.mktemp("six")
     (tmp_path / "space.py").write_text(SPACE)
     out = tmp_path / "search"
     proc = speedrun("tune", *SEARCH, "--trials", "6", "--parallel", "2", "--space", str(tmp_path / "space.py"),
                     "--out", str(out), "--json", timeout=600)
     assert proc.returncode == 0, proc.stderr
-    summary = json.loads(proc.stdout)
+    return out, json.loads(proc.stdout)
+
+
+@pytest.mark.slow
+def test_a_six_trial_search_two_at_a_time_prunes_at_a_step_and_records_failures(six_trials):
+    out, summary = six_trials
     trials = study_trials(out)
     assert len(trials) == 6 and len(summary["trials"]) == 6
     assert [t.params["lr_scale"] for t in trials] == [1e6, 1.0, 1e6, 0.01, 1.0, 1.0]
@@ -186,7 +193,11 @@ def test_a_six_trial_search_two_at_a_time_prunes_at_a_step_and_writes_a_best_rec
     assert [r["value"] for r in complete] == sorted(r["value"] for r in complete)
     assert summary["best"] == summary["trials"][0] == complete[0]
     assert (out / "tune.png").read_bytes()[:4] == b"\x89PNG" and json.loads((out / "tune.json").read_text()) == summary
-    # best_recipe.py trains as any recipe does, and is the best trial's recipe.
+
+
+@pytest.mark.slow
+def test_the_searchs_best_recipe_trains_as_any_recipe_does(six_trials, tmp_path):
+    out, summary = six_trials
     best = out / "best_recipe.py"
     assert f"Trial {summary['best']['number']} of 6" in best.read_text()
     run = speedrun("train", "--recipe", str(best), "--device", "cpu", "--seed", "2", "--out", str(tmp_path / "again"),

@@ -180,8 +180,8 @@ class Target:
 
     @classmethod
     def parse(cls, text: str) -> Target:
-        """Parse "top5=0.93" (or "top5=93", read as percent)."""
-        metric, sep, value = text.partition("=")
+        """Parse "top5=0.93" (or "top5=93", read as percent; or "top5>=0.93", as a target prints)."""
+        metric, sep, value = text.replace(">=", "=", 1).partition("=")
         metric = metric.strip().lower()
         if not sep or metric not in METRICS:
             raise RecipeError([f"target {text!r}: expected METRIC=VALUE with METRIC one of {', '.join(METRICS)}"])
