@@ -25,8 +25,9 @@ TINY = load_recipe("tiny")
 
 def test_the_default_space_centres_the_lr_on_the_suggestion_and_spans_the_recipes_own_values():
     space = default_space(TINY, suggested_recipe_lr=0.1)
-    centre = 0.1 / peak_lr(TINY)
-    assert space["lr_scale"] == Range(centre / 3, centre * 3, log=True)
+    centre = 0.1 / peak_lr(TINY)  # 0.5: the range reaches 3x the recipe's own LR too
+    assert space["lr_scale"] == Range(centre / 3, 3, log=True)
+    assert default_space(TINY, suggested_recipe_lr=0.8)["lr_scale"] == Range(1 / 3, 0.8 / peak_lr(TINY) * 3, log=True)
     assert space["batch_size"] == Choice((32, 64, 128)) and space["first_size"] == Choice((15, 20))
     assert space["weight_decay"] == Range(5e-5, 5e-3, log=True) and space["ema"] == Choice((False, True))
     assert default_space(TINY)["lr_scale"] == Range(1 / 3, 3, log=True)  # no suggestion: the recipe's own LR
