@@ -3,6 +3,7 @@ real searches of the tiny recipe (real Optuna, real `speedrun train` trials): pr
 a best recipe that trains, a failing trial recorded with its reason, an interrupted search
 continued with no trial lost or run twice."""
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -13,10 +14,11 @@ import torch
 from cli_run import one_line_error, speedrun, speedrun_here, start
 
 from speedrun.files import read_jsonl
-from speedrun.recipes import load_recipe
+from speedrun.recipes import load_recipe, recipe_source
 from speedrun.tune import asha
 from speedrun.tune.cli import parse_budget
 from speedrun.tune.space import Choice, Range, apply, check_space, corners, default_space, peak_lr
+from speedrun.tune.trials import LocalTrial
 
 TINY = load_recipe("tiny")
 
@@ -131,6 +133,19 @@ def test_a_directory_holding_something_else_is_refused(tmp_path):
     (tmp_path / "s" / "notes.txt").write_text("mine")
     one_line_error(speedrun_here("tune", "tiny", "--target", "top1=0.5", "--trials", "2", "--no-lr-find",
                                  "--out", str(tmp_path / "s")), "holds other things than a search (notes.txt)")
+
+
+@pytest.mark.slow
+def test_a_trial_asked_to_stop_before_its_run_directory_exists_stops_at_its_first_step(tmp_path):
+    # A budget can end between a trial's start and its trainer making its run directory
+    # (benchmarks/tune.py met it: FileNotFoundError for trials/024/stop, the search ended as an
+    # internal error). The request waits in the directory; the trainer honours it at its first step.
+    run = LocalTrial(0, tmp_path)
+    run.write_recipe(recipe_source(TINY, "# a trial\n"))
+    run.start(0, None, ("--device", "cpu"), {**os.environ, "OMP_NUM_THREADS": "1"})
+    run.stop("the budget (60 s of search) is spent")
+    run.wait()
+    assert run.exit_code == 75 and run.results()["status"] == "stopped" and run.results()["steps"] <= 2
 
 
 # Real searches of the tiny recipe.

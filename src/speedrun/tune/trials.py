@@ -179,6 +179,9 @@ class LocalTrial(TrialRun):
             return {}
 
     def touch(self, path: str) -> None:
+        # The trainer may not have made its run directory yet (a budget spent just after a start):
+        # the request waits there, and the trainer honours it at its first step.
+        self._path(path).parent.mkdir(parents=True, exist_ok=True)
         self._path(path).touch()
 
     def interrupt(self) -> None:
