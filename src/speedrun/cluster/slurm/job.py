@@ -252,9 +252,7 @@ class SlurmJob(Job):
         replaced (its files; one still queued or running is cancelled first)."""
         check_name(name)
         folder = self.slurm_dir / name
-        old = _read(folder / "job_id")
-        if old is not None:
-            cancel(old)
+        _cancel_unfinished(folder)
         folder.mkdir(parents=True, exist_ok=True)
         for stale in ("job_id", "status", "node", "log"):
             (folder / stale).unlink(missing_ok=True)
@@ -367,9 +365,7 @@ class SlurmJob(Job):
         if job_id is not None:
             cancel(job_id)
         for own in sorted(self.slurm_dir.glob("*/job_id")):  # start_command's, each a Slurm job of its own
-            other = _read(own)
-            if other is not None and not (own.parent / "status").exists():
-                cancel(other)
+            _cancel_unfinished(own.parent)
         self.tasks[0].kill()
         return []
 
@@ -465,6 +461,13 @@ exec tmux -L {socket} attach-session -t ={session}
         """Attach this terminal to a live view of task `task` on its node (see attach_argv); Ctrl-b d
         detaches."""
         return subprocess.call(self.attach_argv(task, window), env={k: v for k, v in os.environ.items() if k != "TMUX"})
+
+
+def _cancel_unfinished(folder: Path) -> None:
+    """Cancel the Slurm job of start_command's `folder` unless its command has ended (or none ran)."""
+    job_id = _read(folder / "job_id")
+    if job_id is not None and not (folder / "status").exists():
+        cancel(job_id)
 
 
 def _read(path: Path) -> str | None:

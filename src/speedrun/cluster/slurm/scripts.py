@@ -58,6 +58,20 @@ export SPEEDRUN_MASTER_PORT=$("$python" -c "$free_port")
 """
 
 
+# Bash lines waiting for the background command just started ($!) until it has ended, whatever
+# signals this script traps meanwhile (each interrupts `wait`); its exit status is then in $s.
+WAIT_FOR_COMMAND = """while :; do
+    wait $!; s=$?
+    kill -0 $! 2>/dev/null || break
+done
+"""
+
+
+def exports(env: dict[str, str]) -> str:
+    """Bash lines exporting `env`, quoted."""
+    return "".join(f"export {k}={q(v)}\n" for k, v in env.items())
+
+
 def node_environment(*, job: str, nodes: int, run_dir: str) -> str:
     """Node script lines exporting what a task's command gets: the interface that reaches the first
     node (for gloo and NCCL) and speedrun's variables."""
@@ -196,8 +210,7 @@ def node_script(*, job: str, name: str, nodes: int, run_dir: str, env: dict[str,
     during this command, says `stopped`) is exit 75 with "stopped at step N" as the log's last
     line on every node, whatever torchrun made of it: its agent reports workers that exit 75, or a
     signal it was sent itself (a requeue, preemption), as its own failure, exit 1."""
-    environment = node_environment(job=job, nodes=nodes, run_dir=run_dir) + \
-        "".join(f"export {k}={q(v)}\n" for k, v in env.items())
+    environment = node_environment(job=job, nodes=nodes, run_dir=run_dir) + exports(env)
     pattern = "[0-9]" * SEQ_DIGITS
     return f"""#!/bin/bash
 # Written by speedrun for job {job}: runs one node's command in a numbered directory of its task.
@@ -227,11 +240,7 @@ echo "${{SLURMD_NODENAME:-$(hostname)}}" > "$d/node"
 trap : TERM INT HUP
 set -o pipefail
 bash "$d/command.sh" 2>&1 | (trap '' TERM INT HUP; exec tee -a "$d/log") &
-while :; do
-    wait $!; s=$?
-    kill -0 $! 2>/dev/null || break
-done
-if [ "$s" != 0 ] && [ "$run_dir/results.json" -nt "$d/command.sh" ]; then
+{WAIT_FOR_COMMAND}if [ "$s" != 0 ] && [ "$run_dir/results.json" -nt "$d/command.sh" ]; then
     step=$({q(python)} -c 'import json, sys; r = json.load(open(sys.argv[1]))
 print(r["steps"] if r.get("status") == "stopped" else "")' "$run_dir/results.json" 2>/dev/null)
     if [ -n "$step" ]; then
@@ -276,21 +285,16 @@ def command_script(*, job: str, name: str, task: int, nodes: int, run_dir: str, 
     options = [f"--job-name={job}-{name}", "--nodes=1", "--ntasks=1", f"--chdir={cwd}", f"--output={folder}/log",
                "--no-requeue", *config.sbatch_options()]
     header = "".join(f"#SBATCH {o}\n" for o in options)
-    exports = "".join(f"export {k}={q(v)}\n" for k, v in env.items())
     return f"""#!/bin/bash
 {header}# Written by speedrun for job {job}: {name}, one command on one node, as task {task}.
 export SPEEDRUN_JOB={q(job)} SPEEDRUN_RUN_DIR={q(run_dir)} SPEEDRUN_TASK={task} SPEEDRUN_NUM_TASKS={nodes}
 export PYTHONUNBUFFERED=1
-{exports}echo "${{SLURMD_NODENAME:-$(hostname)}}" > {q(folder)}/node
+{exports(env)}echo "${{SLURMD_NODENAME:-$(hostname)}}" > {q(folder)}/node
 # scancel signals every process of the job: the command acts on it (a run stops at a step) and this
 # script waits for it to end, so that its exit status is written.
 trap : TERM INT HUP
 bash {q(folder)}/command.sh &
-while :; do
-    wait $!; s=$?
-    kill -0 $! 2>/dev/null || break
-done
-echo "$s" > {q(folder)}/status
+{WAIT_FOR_COMMAND}echo "$s" > {q(folder)}/status
 """
 
 
