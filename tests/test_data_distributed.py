@@ -96,3 +96,35 @@ def test_sharded_validation_matches_one_process(tree, tmp_path, world, rect):
     assert torch.allclose(got[0], expected[0], rtol=1e-12, atol=0)
     per_rank = [int(torch.load(f"{out}.batches{r}")) for r in range(world)]
     assert per_rank == {1: [4], 2: [2, 2], 3: [2, 2, 0]}[world]
+
+
+def _index_rank(rank: int, world: int, init: str, root: str, out: str) -> None:
+    from speedrun.data.index import load_index_once
+    from speedrun.dist import DistContext, JobShare
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    try:
+        index = load_index_once(root, JobShare(DistContext(rank, world, 0, torch.device("cpu"))), workers=1)
+        torch.save({"checked": vars(index.checked), "paths": index.train.paths.tolist() + index.val.paths.tolist()},
+                   f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_in_a_job_rank_0_builds_the_index_and_the_others_read_it_without_walking(tmp_path):
+    root = make_tree(tmp_path / "d", classes=3, train_per_class=4, val_per_class=2)
+    out = str(tmp_path / "index")
+    ranks = mp.start_processes(_index_rank, args=(3, f"file://{tmp_path / 'rendezvous'}", str(root), out), nprocs=3,
+                               join=False, start_method="spawn")
+    deadline = time.monotonic() + 300
+    while not ranks.join(timeout=2):
+        if time.monotonic() > deadline:
+            for p in ranks.processes:
+                p.kill()
+            pytest.fail("3 ranks did not finish in 300 s")
+    seen = [torch.load(f"{out}.{r}") for r in range(3)]
+    assert seen[0]["checked"]["headers"] == 18 and seen[0]["checked"]["written"]
+    for other in seen[1:]:  # no folder listed, no header read: rank 0's cache, read as written
+        assert (other["checked"]["folders"], other["checked"]["headers"]) == (0, 0)
+        assert other["paths"] == seen[0]["paths"]

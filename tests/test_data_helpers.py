@@ -36,6 +36,23 @@ def make_tree(
     return root
 
 
+def age(root: Path, seconds: float = 60) -> Path:
+    """Set every folder's and file's mtime under `root` `seconds` back: a tree made a while ago.
+    A folder changed just before its index was written is not trusted (the clock may not have
+    ticked in between), so a test of trust-by-folder starts from an aged tree."""
+    import os
+    import time
+
+    then = time.time_ns() - int(seconds * 1e9)
+    for folder, subfolders, names in os.walk(root):
+        for name in names:
+            if name.startswith(".speedrun-index"):
+                continue  # the index's own cache keeps its time
+            os.utime(os.path.join(folder, name), ns=(then, then), follow_symlinks=False)
+        os.utime(folder, ns=(then, then))
+    return root
+
+
 def train_from_cli(tree: Path, tmp_path: Path, loader: str):
     """`speedrun train --loader LOADER` on the image folder `tree` for 2 epochs (24 px crops, batch
     8, a tiny ResNet, on the CPU); returns the finished process and results.json (None if absent)."""

@@ -43,12 +43,12 @@ def test_rect_plan_sorts_by_aspect_and_uses_chunk_means():
 
 def test_rect_plan_ties_keep_index_order():
     plan = rect_plan(np.array([40, 30, 40, 30]), np.array([30, 40, 30, 40]), 32, 2)
-    assert [b.rows for b in plan] == [(1, 3), (0, 2)]
+    assert [b.rows.tolist() for b in plan] == [[1, 3], [0, 2]]
 
 
 def test_square_plan_is_index_order():
     plan = square_plan(10, 32, 4)
-    assert [b.rows for b in plan] == [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9)]
+    assert [b.rows.tolist() for b in plan] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
     assert {(b.height, b.width) for b in plan} == {(32, 32)}
 
 

@@ -276,3 +276,38 @@ def test_a_gloo_failure_is_a_peer_failure_with_or_without_its_source_location(me
     assert collective_failed(RuntimeError(message), ctx)
     assert not collective_failed(RuntimeError("mat1 and mat2 shapes cannot be multiplied"), ctx)
     assert peer_failure(RuntimeError(message), ctx).startswith("a collective failed: another rank probably died (")
+
+
+def test_a_node_that_sees_another_image_tree_stops_the_job_in_one_line(tmp_path):
+    # Node 1 runs in a mount namespace of its own where another tree is mounted at the same path:
+    # a node whose shared file system is not the one rank 0 indexed.
+    from test_data_helpers import make_tree
+
+    data = make_tree(tmp_path / "data", classes=2, train_per_class=4, val_per_class=2)
+    other = make_tree(tmp_path / "other", classes=3, train_per_class=4, val_per_class=2)
+    recipe = tmp_path / "r.py"
+    recipe.write_text("from speedrun.recipe import Phase, Recipe\n"
+                      "recipe = Recipe('folder', (Phase(0, 1, size=24, batch_size=4, lr=0.05),), "
+                      "model='resnet-fmnist-tiny', dataset='imagefolder', val_batch_size=4)\n")
+    port = free_port()
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "trees",
+               "-m", "speedrun", "train", "--recipe", str(recipe), "--data", str(data), "--workers", "1",
+               "--device", "cpu", "--out", str(tmp_path / "run")]
+    mounted = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+               'mount --bind "$0" "$1" && shift && exec "$@"', str(other), str(data)]
+    nodes = [subprocess.Popen(prefix + command[:5] + ["--node-rank", str(rank)] + command[5:],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env_one_thread())
+             for rank, prefix in ((0, []), (1, mounted))]
+    try:
+        outputs = [n.communicate(timeout=120)[0] for n in nodes]
+    finally:
+        for n in nodes:
+            n.kill()
+    problem = (f"host {socket.gethostname()}, rank 1: {data} has 6 class folders here but 4 on rank 0: every node "
+               "must see the same tree (one shared file system, or identical copies at the same path)")
+    # Each node's process says the same line, and exits 2; torchrun reports it failed (its exit 1).
+    for rank, (node, output) in enumerate(zip(nodes, outputs)):
+        assert f"speedrun: rank {rank}: error: {problem}" in output.splitlines(), output
+        assert "exitcode  : 2" in output and node.returncode == 1, output
+    assert not (tmp_path / "run" / "checkpoint.pt").exists()

@@ -20,7 +20,7 @@ import torch
 from speedrun import checkpoint
 from speedrun.config import absolute_data
 from speedrun.data import build_source
-from speedrun.dist import init_distributed, pick_device, processes, shutdown
+from speedrun.dist import init_distributed, job_share, pick_device, processes, shutdown
 from speedrun.errors import SpeedrunError
 from speedrun.files import to_json
 from speedrun.learner import DeviceBatches, EvalSettings, choose_precision, device_capability, evaluate, to_device
@@ -60,7 +60,7 @@ def evaluate_run(cfg: EvalConfig) -> dict[str, Any]:
 
     ctx = init_distributed(pick_device(cfg.device))
     try:
-        source = build_source(recipe, data, ctx.device, cfg.workers, cfg.copies)
+        source = build_source(recipe, data, ctx.device, cfg.workers, cfg.copies, job=job_share(ctx))
         try:
             note = check_classes(saved["state"], source, data)
             weights = "ema" if saved.get("ema") is not None else "model"

@@ -25,6 +25,7 @@ class TrainConfig:
     workers: int | None = None  # decode processes per device (image folders)
     copies: str | None = None  # where an image folder's resized copies are (None: <data>-sz)
     loader: str = "auto"  # image-folder training decode: "auto", "pil" or "dali" (data.build_source)
+    verify_index: bool = False  # check the image-folder index file by file, not by folder (data.index)
     log_every: int = 50  # steps between train-loss records
     checkpoint_every: int = 1  # epochs between checkpoints (0: never)
     checkpoint_minutes: float | None = None  # also a checkpoint mid-epoch when this many minutes passed

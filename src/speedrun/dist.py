@@ -68,6 +68,41 @@ class DistContext:
         return Shard(self.rank, self.world_size)
 
 
+class JobShare:
+    """The processes of a job as the image-folder index needs them (`data.index.JobShare`):
+    rank 0 leads, and `share` / `gather` are gloo collectives on a group of their own, created at
+    first use (every rank reaches it at the same point: the data source's start). The group
+    waits `timeout_s` (default 2 h), not the training collectives' minutes: building the index
+    of ImageNet on a cold file system takes that long while the other ranks wait."""
+
+    def __init__(self, ctx: DistContext, timeout_s: float = 7200.0):
+        self.leader = ctx.rank == 0
+        peer = ctx.peers[ctx.rank] if ctx.peers else this_peer()
+        self.where = f"host {peer.host}, rank {ctx.rank}"
+        self._timeout_s = timeout_s
+        self._group = None
+
+    def _the_group(self):
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self._timeout_s))
+        return self._group
+
+    def share(self, value):
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self._the_group())
+        return box[0]
+
+    def gather(self, value) -> list:
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, value, group=self._the_group())
+        return everyone
+
+
+def job_share(ctx: DistContext) -> JobShare | None:
+    """The `JobShare` of a job of several processes; None for one process."""
+    return JobShare(ctx) if ctx.distributed else None
+
+
 def pick_device(requested: str | None) -> str:
     """"cuda" when asked or available, else "cpu"; a clear error when CUDA is asked but absent."""
     if requested in (None, "auto"):

@@ -19,8 +19,8 @@ from speedrun.checkpoint import CheckpointWriter, RunState, restore_run, save_ru
 from speedrun.config import TrainConfig
 from speedrun.data import build_source
 from speedrun.data.base import DataSource, TrainStream
-from speedrun.dist import (DistContext, all_reduce_sum, collective_failed, init_distributed, peer_failure, pick_device,
-                           shutdown)
+from speedrun.dist import (DistContext, all_reduce_sum, collective_failed, init_distributed, job_share, peer_failure,
+                           pick_device, shutdown)
 from speedrun.errors import SpeedrunError, TrainingFailed, stop_on_sigterm, unwrapped
 from speedrun.files import read_jsonl
 from speedrun.learner import (DeviceBatches, EvalSettings, Learner, build_learner, check_device_options,
@@ -44,7 +44,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         run_dir = claim_run_dir(cfg, ctx)
         cfg = dataclasses.replace(cfg, out=run_dir.path)
         configure_determinism(cfg, ctx)
-        source = build_source(recipe, cfg.data, ctx.device, cfg.workers, cfg.copies, cfg.loader)
+        source = build_source(recipe, cfg.data, ctx.device, cfg.workers, cfg.copies, cfg.loader, job_share(ctx),
+                              cfg.verify_index)
         try:
             if source.num_classes < 2:
                 raise SpeedrunError(f"{source.name} has {source.num_classes} class: every label would be the same; "

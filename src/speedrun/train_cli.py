@@ -58,6 +58,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="decode processes per device for image folders")
     p.add_argument("--copies", type=given, default=None, metavar="DIR",
                    help="where an image folder's resized copies are (default: $SPEEDRUN_COPIES, else DATA-sz)")
+    p.add_argument("--verify-index", action="store_true",
+                   help="check the image folder's cached index file by file rather than by folder: also sees "
+                   "a file rewritten in place under its own name (docs/data.md, 'The index')")
     p.add_argument("--loader", choices=LOADERS, default="auto",
                    help="image-folder training decode: pil in worker processes; gpu: workers read bytes, torchvision "
                    "decodes on the training device (nvJPEG on CUDA); dali: NVIDIA DALI (needs speedrun[dali]); "
@@ -178,6 +181,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         workers=args.workers,
         copies=args.copies,
         loader=args.loader,
+        verify_index=args.verify_index,
         log_every=args.log_every,
         checkpoint_every=checkpoint_every,
         checkpoint_minutes=checkpoint_minutes,

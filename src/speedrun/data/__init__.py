@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     import torch
 
     from speedrun.data.base import DataSource
+    from speedrun.data.index import JobShare
     from speedrun.recipe import Recipe
 
 
@@ -26,6 +27,8 @@ def build_source(
     workers: int | None = None,
     copies: str | None = None,
     loader: str = "auto",
+    job: JobShare | None = None,
+    verify_index: bool = False,
 ) -> DataSource:
     """The data source for `recipe.dataset`, reading from `path` (None: the source's default).
 
@@ -34,7 +37,9 @@ def build_source(
     are (None: $SPEEDRUN_COPIES, else <path>-sz; see docs/data.md). `loader` decodes an image
     folder's training images: "pil" in worker processes, "gpu" with torchvision's decoder on
     `device` (nvJPEG on CUDA) fed file bytes by the workers, "dali" with NVIDIA DALI on `device`,
-    "auto" the GPU path on GPUs with hardware JPEG decoders, else PIL.
+    "auto" the GPU path on GPUs with hardware JPEG decoders, else PIL. `job`: the processes of
+    a job (`data.index.JobShare`), so that one of them checks an image folder's index and the
+    others read it. `verify_index`: check the index file by file (`data.index.load_index`).
     """
     if loader != "auto" and recipe.dataset != "imagefolder":
         raise SpeedrunError(f"--loader {loader} applies to image folders; "
@@ -66,6 +71,9 @@ def build_source(
             copies_dir=copies,
             device=device,
             loader=loader,
+            job=job,
+            verify_index=verify_index,
+            copies_read=sorted({p.copy for p in recipe.phases if p.copy is not None}),
         )
     raise SpeedrunError(f"unknown dataset {recipe.dataset!r} (choose from {', '.join(DATASETS)})")
 

@@ -56,9 +56,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     _common_synth(k)
     k.set_defaults(func=cmd_synth_fmnist)
 
-    p = cmds.add_parser("index", help="build (or check) the cached index of an image-folder tree and summarise it")
+    p = cmds.add_parser("index", help="build (or check) the cached index of an image-folder tree and summarise it",
+                        description="Build the index of an image-folder tree, or check a cached one by folder "
+                        "(a folder whose mtime or entry count changed is read again), and summarise it. "
+                        "See docs/data.md, 'The index'.")
     p.add_argument("path", type=given, metavar="PATH")
     p.add_argument("--workers", type=WORKERS, default=None, metavar="N")
+    p.add_argument("--verify", action="store_true",
+                   help="stat every file, trusting no folder: also sees a file rewritten in place under its own name")
     p.set_defaults(func=cmd_index)
 
 
@@ -111,7 +116,7 @@ def cmd_index(args: argparse.Namespace) -> int:
     from speedrun.data.index import cache_path, load_index
 
     _log_to_console()
-    index = load_index(args.path, workers=args.workers)
+    index = load_index(args.path, workers=args.workers, verify=args.verify)
     console = Console(soft_wrap=True)
     for name in ("train", "val"):
         split = index.split(name)
@@ -125,4 +130,8 @@ def cmd_index(args: argparse.Namespace) -> int:
         f"{len(index.classes)} classes ({len(index.empty_classes)} without training images), "
         f"{len(index.bad)} unusable files; index cached at {cache_path(index.root)}"
     )
+    c = index.checked
+    console.print(f"this load: {c.folders} folders listed, {c.rescanned} of them read again "
+                  f"({c.files_statted} files stat'ed), {c.headers} image headers read; "
+                  f"cache {'written' if c.written else 'unchanged'}")
     return 0

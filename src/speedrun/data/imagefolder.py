@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader
 from speedrun.data.kinds import LOADERS
 from speedrun.data.base import CountedFiles, Batch, Shard, TrainStream, indexed_device, split_batches_contiguously
 from speedrun.data import gpu
-from speedrun.data.index import Index, Split, load_index
+from speedrun.data.index import Index, JobShare, Split, load_index_once
 from speedrun.data.loading import (
     MAX_SUBSTITUTES,
     ImageFolderTrainStream,
@@ -172,7 +172,10 @@ class ImageFolderSource:
     docstring. device: the training device (None: CUDA when available). loader: what decodes
     training batches, one of `data.LOADERS`: "pil" worker processes, "gpu" torchvision's decoder
     on `device` fed file bytes by the workers (`data.gpu`: nvJPEG on CUDA), "dali" NVIDIA DALI
-    (`data.dali`) on `device`, "auto" see `resolve_loader`.
+    (`data.dali`) on `device`, "auto" see `resolve_loader`. job: the processes of a job, so that
+    rank 0 checks each index and the others read it (`data.index.load_index_once`); every index
+    is then loaded here, at the start: the full tree's and those of `copies_read` (the copies' px,
+    as in `Phase.copy`). verify_index: check the indexes file by file.
     """
 
     channels = 3
@@ -191,6 +194,9 @@ class ImageFolderSource:
         draft: bool = True,
         device: torch.device | None = None,
         loader: str = "auto",
+        job: JobShare | None = None,
+        verify_index: bool = False,
+        copies_read: Sequence[int] = (),
     ):
         self.root = Path(path).expanduser()
         self.device = indexed_device(device or torch.device("cuda" if torch.cuda.is_available() else "cpu"))
@@ -218,8 +224,11 @@ class ImageFolderSource:
         self.cpu_decoded = CountedFiles(what="decoding on the CPU")  # the GPU path's fallbacks (not skipped)
         self._indexes: dict[int | None, Index | None] = {}
         self._warned: set[int] = set()
+        self._job, self._verify_index = job, verify_index
 
         full = self.index(None)
+        for copy in copies_read:  # now, while every process of a job is here to share the work
+            self.index(copy)
         self.name = f"imagefolder:{self.root.name}"
         self.classes = full.classes
         self.num_classes = len(full.classes)
@@ -244,13 +253,17 @@ class ImageFolderSource:
     def index(self, copy: int | None) -> Index | None:
         """The index of the full tree (copy=None) or of a copy; None when the copy is missing."""
         if copy not in self._indexes:
+            workers = self.options.workers or None
             if copy is None:
-                self._indexes[None] = load_index(self.root, workers=self.options.workers or None)
+                self._indexes[None] = load_index_once(self.root, self._job, workers, verify=self._verify_index)
             else:
                 root = self.copy_root(copy)
-                if (root / "train").is_dir() and (root / "val").is_dir():
-                    self._indexes[copy] = load_index(root, self.options.workers or None,
-                                                     classes=self.index(None).classes)
+                here = (root / "train").is_dir() and (root / "val").is_dir()
+                # Rank 0's view decides, so every process calls load_index_once or none does; a
+                # node without the copy rank 0 has then fails there, in one line.
+                if self._job.share(here) if self._job else here:
+                    self._indexes[copy] = load_index_once(root, self._job, workers, self.index(None).classes,
+                                                          self._verify_index)
                 else:
                     self._indexes[copy] = None
         return self._indexes[copy]
@@ -311,8 +324,9 @@ class ImageFolderSource:
             return
         dataset = _EvalDecoder(self.copy_root(copy), self._val_split(copy), resize_for(size, crop_pct),
                                self.options.draft)
-        keys = [[(r, b.height, b.width) for r in b.rows] for b in mine]
-        workers = min(self.options.workers, len(keys))
+        # Keys are made batch by batch as the loader asks, never a list over the whole split.
+        keys = ([(r, b.height, b.width) for r in b.rows.tolist()] for b in mine)
+        workers = min(self.options.workers, len(mine))
         loader = DataLoader(
             dataset,
             batch_sampler=keys,

@@ -10,37 +10,38 @@ image is ever labelled twice or crosses from val/ into train/. A folder or file 
 
 Building the index reads only each image's header (a few hundred bytes), in parallel on all
 cores, with a progress bar. The index is cached as ``ROOT/.speedrun-index.npz`` or, when ROOT is
-not writable, under ``$XDG_CACHE_HOME/speedrun/index/`` (default ``~/.cache``). Each load walks
-the tree and compares every file's size and mtime (ns) with the cache: a changed tree re-reads
-only the headers of new or changed files. Files that are not images (by extension) are ignored;
-files that look like images but cannot be used (zero bytes, not an image, dangling symlink, not a
-regular file, unreadable) are listed in ``Index.bad`` with a reason and left out.
+not writable, under ``$XDG_CACHE_HOME/speedrun/index/`` (default ``~/.cache``); see
+`data.index_cache` for the format. A later load is trusted by folder: it stats and lists the
+folders, not the files, and reads again only the folders whose mtime or entry count changed
+(`data.index_walk` says what that misses; ``verify=True`` stats every file). Files that are
+not images (by extension) are ignored; files that look like images but cannot be used (zero
+bytes, not an image, dangling symlink, not a regular file, unreadable) are listed in
+``Index.bad`` with a reason and left out.
+
+In a job of many processes, `load_index_once` has one process (rank 0) build or check the
+index while the others wait, then read what it wrote: a start on shared storage costs one walk.
 """
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import logging
 import os
-import stat
-from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor
-from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 
-from speedrun import files
-from speedrun.errors import SpeedrunError, one_line
+from speedrun.data.index_cache import (CACHE_NAME, INDEX_VERSION, Table, cache_path, decode, empty_table, locked,
+                                        read_cache, write_cache)
+from speedrun.data.index_walk import IMAGE_EXTENSIONS, Checked, Unreadable, Walk, read_header
+from speedrun.errors import SpeedrunError
+
+__all__ = ["CACHE_NAME", "IMAGE_EXTENSIONS", "INDEX_VERSION", "SPLITS", "BadFile", "Checked", "Index", "JobShare",
+           "Seen", "Split", "Unreadable", "cache_path", "load_index", "load_index_once", "read_header"]
 
 log = logging.getLogger("speedrun.data")
 
 SPLITS = ("train", "val")
-# torchvision's ImageFolder extensions; anything else in the tree is not an image.
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
-CACHE_NAME = ".speedrun-index.npz"
-INDEX_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -80,119 +81,44 @@ class Index:
     val: Split
     bad: list[BadFile]
     empty_classes: list[str]  # train class folders with no usable image
+    checked: Checked = field(default_factory=Checked)  # what the load that made it did
+    token: int = 0  # the cache's token (see `data.index_cache.Table`)
 
     def split(self, name: str) -> Split:
         return {"train": self.train, "val": self.val}[name]
 
+    def seen(self) -> Seen:
+        """What this process saw, for the other processes of its job to compare theirs with."""
+        return Seen(self.token, self.checked.class_folders, len(self.train) + len(self.val))
 
-@dataclass(frozen=True, slots=True)
-class _Entry:
-    """One file found by the walk: where it is and what stat said."""
 
-    rel: str
-    split: str
-    cls: str
-    size: int  # bytes
-    mtime_ns: int
+
+
+@dataclass(frozen=True)
+class Seen:
+    """The index one process of a job checked: its cache's token, and counts another node's view
+    of the tree must match."""
+
+    token: int
+    class_folders: int  # train's and val's
+    images: int  # train + val
+
+
+class JobShare(Protocol):
+    """The processes of one job, as the index needs them (`dist.JobShare` over torch.distributed).
+    Every process calls `share` and `gather` at the same points, in the same order."""
+
+    leader: bool  # this process checks the index; the others wait for it
+    where: str  # this process in messages ("host gpu-2, rank 9")
+
+    def share(self, value: Any) -> Any:
+        """The leader's `value`, in every process."""
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every process's `value`, in rank order, in every process."""
 
 
 # ---------------------------------------------------------------------------------------------
-# Walking the tree
-
-
-def _is_image_name(name: str) -> bool:
-    return name.lower().endswith(IMAGE_EXTENSIONS)
-
-
-class _Walk:
-    """What one index walk has already seen, across every class of both splits: a folder or a
-    file reached twice (through symlinks or hard links) is used once, never under two labels."""
-
-    def __init__(self, root: Path):
-        self.root = root
-        self.root_real = root.resolve()
-        self.folders: set[tuple[int, int]] = set()  # (st_dev, st_ino)
-        self.files: dict[tuple[int, int], str] = {}  # (st_dev, st_ino) -> the path it was first indexed as
-        self.bad: list[BadFile] = []
-
-    def escapes(self, path: str, home: Path) -> Path | None:
-        """Where the link at `path` really leads, when that is inside the tree but outside
-        `home` (the real path of its class folder): another class, or the other split. Links to
-        places outside the tree are fine (and deduplicated); None when the link may be used."""
-        target = Path(os.path.realpath(path))
-        if target.is_relative_to(self.root_real) and not target.is_relative_to(home):
-            return target
-        return None
-
-
-def _walk_class(walk: _Walk, split: str, cls: str) -> Iterator[_Entry]:
-    """Every image-named file under ``root/split/cls``, following symlinks only where they stay in
-    the class (or leave the tree), each folder and file once."""
-    root, bad = walk.root, walk.bad
-    top = root / split / cls
-    # String slicing, not Path.relative_to: this runs once per file (1.3M times for ImageNet).
-    cut = len(str(root)) + 1
-    if top.is_symlink() and walk.escapes(str(top), walk.root_real / split) is not None:
-        bad.append(BadFile(str(top)[cut:],
-                           f"class folder links to {os.path.realpath(top)}, outside {split}/: not used"))
-        return
-    home = top.resolve()
-    stack = [top]
-    while stack:
-        folder = stack.pop()
-        rel_folder = str(folder)[cut:]
-        try:
-            st = folder.stat()
-            key = (st.st_dev, st.st_ino)
-            if key in walk.folders:
-                bad.append(BadFile(rel_folder,
-                                   "folder reached a second time through a symlink: its images are used once"))
-                continue
-            walk.folders.add(key)
-            # Real files before links, so that a file reached both ways is reported as the link.
-            entries = sorted(os.scandir(folder), key=lambda e: (e.is_symlink(), e.name))
-        except OSError as e:
-            bad.append(BadFile(rel_folder, f"cannot list folder: {e.strerror or e}"))
-            continue
-        subfolders = []
-        for entry in entries:
-            rel = entry.path[cut:]
-            try:
-                is_dir = entry.is_dir(follow_symlinks=True)
-            except OSError as e:  # e.g. a symlink loop (ELOOP)
-                if _is_image_name(entry.name):
-                    bad.append(BadFile(rel, f"cannot stat: {e.strerror or e}"))
-                continue
-            if not is_dir and not _is_image_name(entry.name):
-                continue  # README, .DS_Store, labels files: not images, silently ignored
-            if entry.is_symlink():
-                target = walk.escapes(entry.path, home)
-                if target is not None:
-                    what = "folder" if is_dir else "file"
-                    bad.append(BadFile(rel,
-                                       f"{what} symlink to {target} leaves its class folder {split}/{cls}: not used"))
-                    continue
-            if is_dir:
-                subfolders.append(Path(entry.path))
-                continue
-            try:
-                st = entry.stat(follow_symlinks=True)
-            except OSError as e:
-                bad.append(BadFile(rel, f"cannot stat (dangling symlink?): {e.strerror or e}"))
-                continue
-            if not stat.S_ISREG(st.st_mode):
-                # A FIFO or device named like an image would block or never end when read.
-                bad.append(BadFile(rel, "not a regular file"))
-                continue
-            if st.st_size == 0:
-                bad.append(BadFile(rel, "zero bytes"))
-                continue
-            first = walk.files.setdefault((st.st_dev, st.st_ino), rel)
-            if first != rel:
-                bad.append(BadFile(rel, f"the same file as {first} (a link): used once"))
-                continue
-            yield _Entry(rel, split, cls, st.st_size, st.st_mtime_ns)
-        stack.extend(reversed(subfolders))  # depth-first, in name order
 
 
 def _class_folders(root: Path, split: str) -> list[str]:
@@ -215,138 +141,8 @@ def _check_layout(root: Path) -> None:
         )
 
 
-# ---------------------------------------------------------------------------------------------
-# Reading headers
-
-
-@dataclass(frozen=True)
-class Unreadable:
-    """Why a file could not be read as an image. `transient`: the system refused to read it
-    (permissions, I/O error, gone), which may pass; it is not remembered in the cache. Otherwise
-    the file's content is not a usable image, remembered until the file changes."""
-
-    reason: str
-    transient: bool = False
-
-
-def read_header(path: str) -> tuple[int, int] | Unreadable:
-    """(width, height) in pixels from an image's header, or why it is unusable."""
-    from speedrun.data.transforms import open_image
-
-    try:
-        with open_image(path) as img:
-            width, height = img.size
-    except Exception as e:  # any decoder error means: not a usable image
-        # PIL's "cannot identify image file" is an OSError too, but without an errno.
-        transient = isinstance(e, OSError) and e.errno is not None
-        return Unreadable(one_line(e), transient)
-    if width <= 0 or height <= 0:
-        return Unreadable(f"bad size {width}x{height}")
-    return width, height
-
-
-def _read_headers(paths: list[str]) -> list[tuple[int, int] | Unreadable]:
-    return [read_header(p) for p in paths]
-
-
-def _header_pool_map(paths: list[str], workers: int, progress_label: str) -> list[tuple[int, int] | Unreadable]:
-    """read_header over many files on `workers` processes, with a rich progress bar."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    if not paths:
-        return []
-    chunk = 512
-    chunks = [paths[i : i + chunk] for i in range(0, len(paths), chunk)]
-    results: list[list] = [None] * len(chunks)  # type: ignore[list-item]
-    columns = (TextColumn(progress_label), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
-    with Progress(*columns, transient=True, disable=len(paths) < 2000) as progress:
-        task = progress.add_task("headers", total=len(paths))
-        if workers <= 1 or len(chunks) == 1:
-            for i, c in enumerate(chunks):
-                results[i] = _read_headers(c)
-                progress.advance(task, len(c))
-        else:
-            with ProcessPoolExecutor(workers) as pool:
-                for i, result in enumerate(pool.map(_read_headers, chunks)):
-                    results[i] = result
-                    progress.advance(task, len(chunks[i]))
-    return [r for rs in results for r in rs]
-
-
-# ---------------------------------------------------------------------------------------------
-# The cache
-
-
-def cache_path(root: Path) -> Path:
-    """Where the index of `root` is cached: beside the data when writable, else in the cache dir."""
-    root = root.resolve()
-    if os.access(root, os.W_OK):
-        return root / CACHE_NAME
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "speedrun" / "index"
-    digest = hashlib.sha1(os.fsencode(root)).hexdigest()[:16]
-    return base / f"{root.name}-{digest}.npz"
-
-
-@contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """An exclusive lock beside `path`, so that N ranks starting together build the index once."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def _load_cache(path: Path) -> dict[str, tuple[int, int, int, int]]:
-    """rel path -> (size, mtime_ns, width, height) from a cache file, or {} when absent/stale."""
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            if int(z["version"]) != INDEX_VERSION:
-                return {}
-            paths = [os.fsdecode(p) for p in z["paths"]]
-            rows = zip(z["sizes"].tolist(), z["mtimes"].tolist(), z["widths"].tolist(), z["heights"].tolist())
-            return dict(zip(paths, rows))
-    except FileNotFoundError:
-        return {}
-    except Exception as e:  # a damaged cache is rebuilt, never trusted
-        log.warning("index cache %s unreadable (%s); rebuilding", path, e)
-        return {}
-
-
-def _save_cache(path: Path, rows: dict[str, tuple[int, int, int, int]]) -> None:
-    """Atomic write: a crash leaves the old cache or the new one, never half of one."""
-    keys = sorted(rows)
-    values = np.array([rows[k] for k in keys], dtype=np.int64).reshape(-1, 4)
-    try:
-        with files.replacing(path, suffix=".tmp.npz") as tmp:  # .npz: numpy adds it otherwise
-            np.savez(
-                tmp,
-                version=np.int64(INDEX_VERSION),
-                paths=np.array([os.fsencode(k) for k in keys], dtype=np.bytes_),
-                sizes=values[:, 0],
-                mtimes=values[:, 1],
-                widths=values[:, 2],
-                heights=values[:, 3],
-            )
-    except OSError as e:
-        log.warning("could not write index cache %s: %s", path, e)
-
-
-# ---------------------------------------------------------------------------------------------
-# Building
-
-
-def load_index(root: str | os.PathLike, workers: int | None = None, classes: list[str] | None = None) -> Index:
-    """The index of the tree at `root`, from the cache when the tree has not changed.
-
-    `classes` fixes the class list (used for resized copies, whose labels must match the full
-    tree's); by default it is the sorted list of train's class folders. `workers` processes read
-    headers (default: all cores).
-    """
-    # Absolute: the walk cuts each file's path after root's, and "." is not a prefix of "train/x".
-    root = Path(os.path.abspath(root))
+def _class_lists(root: Path, classes: list[str] | None) -> tuple[list[str], list[str], list[str]]:
+    """(train's class folders, val's, the class list labels index): checked against each other."""
     _check_layout(root)
     train_classes = _class_folders(root, "train")
     val_classes = _class_folders(root, "val")
@@ -361,62 +157,61 @@ def load_index(root: str | os.PathLike, workers: int | None = None, classes: lis
     extra = sorted(set(train_classes) - set(classes))
     if extra:
         raise SpeedrunError(f"{root}/train has class folders the full-size tree lacks: {', '.join(extra[:5])}")
+    return train_classes, val_classes, list(classes)
 
-    walk = _Walk(root)
-    entries = [
-        e
-        for split, names in (("train", train_classes), ("val", val_classes))
-        for cls in names
-        for e in _walk_class(walk, split, cls)
-    ]
-    bad = walk.bad
 
+def load_index(root: str | os.PathLike, workers: int | None = None, classes: list[str] | None = None,
+               verify: bool = False) -> Index:
+    """The index of the tree at `root`, from the cache where the tree's folders have not changed.
+
+    `classes` fixes the class list (used for resized copies, whose labels must match the full
+    tree's); by default it is the sorted list of train's class folders. `workers` processes read
+    headers (default: all cores). `verify`: stat every file rather than trusting unchanged
+    folders (sees a file rewritten in place under the same name). Processes loading one tree at
+    once take a file lock: the first builds, the others then find the cache fresh.
+    """
+    # Absolute: the walk cuts each file's path after root's, and "." is not a prefix of "train/x".
+    root = Path(os.path.abspath(root))
+    train_classes, val_classes, classes = _class_lists(root, classes)
     cache = cache_path(root)
-    with _locked(cache):
-        cached = _load_cache(cache)
-        todo = [e for e in entries if cached.get(e.rel, (None, None))[:2] != (e.size, e.mtime_ns)]
-        if todo:
-            if cached:
-                log.info("index of %s: %d new or changed files", root, len(todo))
-            headers = _header_pool_map(
-                [str(root / e.rel) for e in todo], workers or os.cpu_count() or 1, f"indexing {root.name}"
-            )
-            fresh = {e.rel: h for e, h in zip(todo, headers)}
+    with locked(cache):
+        old = read_cache(cache)
+        written_ns = os.stat(cache).st_mtime_ns if old is not None else 0
+        walk = Walk(root, old or empty_table(), verify, written_ns, workers or os.cpu_count() or 1)
+        table, checked = walk.run([(0, c) for c in train_classes] + [(1, c) for c in val_classes])
+        checked.class_folders = len(train_classes) + len(val_classes)
+        if old is None or checked.racy or not _same(table, old, checked):
+            table = write_cache(cache, table)
+            checked.written = True
         else:
-            fresh = {}
-        rows: dict[str, tuple[int, int, int, int]] = {}
-        good: list[tuple[_Entry, int, int]] = []
-        for e in entries:
-            if e.rel in fresh:
-                h = fresh[e.rel]
-                if isinstance(h, Unreadable):
-                    bad.append(BadFile(e.rel, h.reason))
-                    if not h.transient:
-                        # Remember bad files too (width 0) so an unchanged bad file is not re-read.
-                        rows[e.rel] = (e.size, e.mtime_ns, 0, 0)
-                    continue
-                w, hgt = h
-            else:
-                w, hgt = cached[e.rel][2:]
-                if w == 0:
-                    bad.append(BadFile(e.rel, "not a readable image (cached)"))
-                    rows[e.rel] = (e.size, e.mtime_ns, 0, 0)
-                    continue
-            rows[e.rel] = (e.size, e.mtime_ns, w, hgt)
-            good.append((e, w, hgt))
-        if todo or set(rows) != set(cached):
-            _save_cache(cache, rows)
+            table.token = old.token
+    return _assemble(root, table, classes, checked)
 
+
+def _same(new: Table, old: Table, checked: Checked) -> bool:
+    """Whether the walk found what the cache holds (then it is not written again)."""
+    if len(new.folder_files) != len(old.folder_files) or len(new.paths) != len(old.paths):
+        return False
+    if checked.rescanned == 0:  # every row was copied from `old`, in its order
+        names = ("bad_folders", "bad_paths", "bad_reasons")
+    else:
+        names = [n for n in Table.__dataclass_fields__ if n != "token"]
+    return all(np.array_equal(getattr(new, n), getattr(old, n)) for n in names)
+
+
+def _assemble(root: Path, table: Table, classes: list[str], checked: Checked) -> Index:
+    """The Index (arrays per split) from a table, with the same checks for every way it was loaded."""
     label_of = {c: i for i, c in enumerate(classes)}
+    folder_labels = np.array([label_of.get(decode(c), -1) for c in table.folder_classes.tolist()], dtype=np.int64)
+    owner = np.repeat(np.arange(len(table.folder_files)), table.folder_files)
+    labels = folder_labels[owner]
+    file_splits = table.folder_splits[owner]
+    usable = (table.widths > 0) & (labels >= 0)
     splits = {}
-    for split in SPLITS:
-        mine = [(e, w, h) for e, w, h in good if e.split == split]
-        splits[split] = Split(
-            paths=np.array([os.fsencode(e.rel) for e, _, _ in mine], dtype=np.bytes_).reshape(-1),
-            labels=np.array([label_of[e.cls] for e, _, _ in mine], dtype=np.int64).reshape(-1),
-            widths=np.array([w for _, w, _ in mine], dtype=np.int32).reshape(-1),
-            heights=np.array([h for _, _, h in mine], dtype=np.int32).reshape(-1),
-        )
+    for code, name in enumerate(SPLITS):
+        rows = np.flatnonzero(usable & (file_splits == code))
+        splits[name] = Split(table.paths[rows], labels[rows], table.widths[rows], table.heights[rows])
+    bad = [BadFile(decode(p), decode(r)) for p, r in zip(table.bad_paths.tolist(), table.bad_reasons.tolist())]
     counts = np.bincount(splits["train"].labels, minlength=len(classes))
     empty = [c for c, n in zip(classes, counts) if n == 0]
     if len(splits["train"]) == 0:
@@ -427,4 +222,57 @@ def load_index(root: str | os.PathLike, workers: int | None = None, classes: lis
         log.warning("skipping %s: %s", root / b.path, b.reason)
     if empty:
         log.warning("%d class folder(s) in %s/train have no usable images: %s", len(empty), root, ", ".join(empty[:5]))
-    return Index(root, list(classes), splits["train"], splits["val"], bad, empty)
+    return Index(root, classes, splits["train"], splits["val"], bad, empty, checked, table.token)
+
+
+def load_seen_index(root: str | os.PathLike, seen: Seen, workers: int | None = None,
+                    classes: list[str] | None = None) -> Index:
+    """The index another process of this job has just checked (`seen`), read from its cache
+    without walking the tree; where this node has its own copy of the tree (another cache), that
+    copy is checked here. A tree other than the one `seen` describes is an error."""
+    root = Path(os.path.abspath(root))
+    train_classes, val_classes, classes = _class_lists(root, classes)
+    mine = len(train_classes) + len(val_classes)
+    where = "same tree (one shared file system, or identical copies at the same path)"
+    if mine != seen.class_folders:
+        raise SpeedrunError(f"{root} has {mine} class folders here but {seen.class_folders} on rank 0: "
+                            f"every node must see the {where}")
+    table = read_cache(cache_path(root))
+    if table is not None and table.token == seen.token:
+        index = _assemble(root, table, classes, Checked(class_folders=mine))
+    else:
+        index = load_index(root, workers, classes)
+    images = len(index.train) + len(index.val)
+    if images != seen.images:
+        raise SpeedrunError(f"{root} has {images} usable images here but {seen.images} on rank 0: "
+                            f"every node must see the {where}")
+    return index
+
+
+def load_index_once(root: str | os.PathLike, job: JobShare | None, workers: int | None = None,
+                    classes: list[str] | None = None, verify: bool = False) -> Index:
+    """`load_index` for a job: the leader builds or checks the index while the others wait, then
+    they read it (`load_seen_index`). Every process ends with the same index, or every process
+    raises the same error: the leader's, or the first process whose tree differs."""
+    if job is None:
+        return load_index(root, workers, classes, verify)
+    problem = None
+    if job.leader:
+        try:
+            index = load_index(root, workers, classes, verify)
+        except SpeedrunError as e:
+            job.share(str(e))
+            raise
+        job.share(index.seen())
+    else:
+        seen = job.share(None)
+        if isinstance(seen, str):
+            raise SpeedrunError(seen)
+        try:
+            index = load_seen_index(root, seen, workers, classes)
+        except SpeedrunError as e:
+            problem = f"{job.where}: {e}"
+    problems = [p for p in job.gather(problem) if p]
+    if problems:
+        raise SpeedrunError(problems[0] + (f" (and {len(problems) - 1} more processes)" if len(problems) > 1 else ""))
+    return index

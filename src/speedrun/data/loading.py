@@ -60,9 +60,9 @@ class EpochBatchSampler:
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
         epoch, bs = self.epoch, self.batch_size
-        rows = rank_indices(epoch_permutation(self.num, self.seed, epoch), self.shard, bs).tolist()
-        for i in range(self.start_step * bs, len(rows), bs):
-            yield [(epoch, r) for r in rows[i : i + bs]]
+        rows = rank_indices(epoch_permutation(self.num, self.seed, epoch), self.shard, bs)
+        for i in range(self.start_step * bs, len(rows), bs):  # a Python list per batch, not per epoch
+            yield [(epoch, r) for r in rows[i : i + bs].tolist()]
 
 
 class ImageFolderTrainStream:

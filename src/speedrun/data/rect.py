@@ -23,11 +23,12 @@ import math
 import numpy as np
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ValBatch:
-    """One validation batch: dataset rows and the output size in pixels."""
+    """One validation batch: dataset rows (an int64 array: no Python object per image, which
+    counts at ImageNet's size) and the output size in pixels."""
 
-    rows: tuple[int, ...]
+    rows: np.ndarray
     height: int
     width: int
 
@@ -48,17 +49,18 @@ def rect_shape(size: int, aspect: float) -> tuple[int, int]:
 
 def square_plan(num: int, size: int, batch_size: int) -> list[ValBatch]:
     """Index order, size x size crops."""
-    return [ValBatch(tuple(range(i, min(i + batch_size, num))), size, size) for i in range(0, num, batch_size)]
+    rows = np.arange(num, dtype=np.int64)
+    return [ValBatch(rows[i:i + batch_size], size, size) for i in range(0, num, batch_size)]
 
 
 def rect_plan(widths: np.ndarray, heights: np.ndarray, size: int, batch_size: int) -> list[ValBatch]:
     """Aspect-ratio-sorted chunks with their chunk-mean crop shapes (see the module docstring)."""
     aspect = np.round(widths.astype(np.float64) / heights.astype(np.float64), 5)
-    order = np.argsort(aspect, kind="stable")
+    order = np.argsort(aspect, kind="stable").astype(np.int64)
     plan = []
     for i in range(0, len(order), batch_size):
         rows = order[i : i + batch_size]
         mean = round(float(np.mean(aspect[rows])), 5)
         height, width = rect_shape(size, mean)
-        plan.append(ValBatch(tuple(int(r) for r in rows), height, width))
+        plan.append(ValBatch(rows, height, width))
     return plan
