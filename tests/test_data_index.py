@@ -225,3 +225,14 @@ def test_train_verify_index_sees_a_file_rewritten_in_place(tmp_path):
     after = load_index(root, workers=1)  # trusted by folder: what the training run's check wrote
     k = [after.train.path(i) for i in range(len(after.train))].index("train/c00/img001.JPEG")
     assert (after.train.widths[k], after.checked.files_statted) == (99, 0)
+
+
+def test_a_hard_link_added_later_to_a_trusted_folders_file_is_used_once(tmp_path):
+    root = age(make_tree(tmp_path / "d", classes=2, train_per_class=3))
+    load_index(root, workers=1)
+    (root / "train/c00/sub").mkdir()
+    os.link(root / "train/c00/img001.JPEG", root / "train/c00/sub/again.JPEG")
+    idx = load_index(root, workers=1)
+    assert len(idx.train) == 6 and idx.checked.rescanned == 2  # c00 (a new entry) and sub/
+    assert [(b.path, b.reason) for b in idx.bad] == [
+        ("train/c00/sub/again.JPEG", "the same file as train/c00/img001.JPEG (a link): used once")]

@@ -210,6 +210,8 @@ def _assemble(root: Path, table: Table, classes: list[str], checked: Checked) ->
     splits = {}
     for code, name in enumerate(SPLITS):
         rows = np.flatnonzero(usable & (file_splits == code))
+        if len(rows) and rows[-1] - rows[0] == len(rows) - 1:
+            rows = slice(rows[0], rows[-1] + 1)  # a run of rows (train's come first): views, not copies
         splits[name] = Split(table.paths[rows], labels[rows], table.widths[rows], table.heights[rows])
     bad = [BadFile(decode(p), decode(r)) for p, r in zip(table.bad_paths.tolist(), table.bad_reasons.tolist())]
     counts = np.bincount(splits["train"].labels, minlength=len(classes))

@@ -153,7 +153,9 @@ class _Rows:
         "folder_files")})
     files: dict[str, list] = field(default_factory=lambda: {k: [] for k in (
         "paths", "sizes", "mtimes", "widths", "heights", "devs", "inos")})
-    fresh: list[np.ndarray] = field(default_factory=list)  # per folder: are its rows new (bool)
+    # Per folder, per row: a new row that is a symlink or one of several hard links, so it may be
+    # a file the tree holds twice (no other row can be: a folder is walked once).
+    linked: list[np.ndarray] = field(default_factory=list)
     bad: list[tuple[int, bytes, bytes]] = field(default_factory=list)  # (folder row, path, reason)
 
     def folder(self, rel: str, split: int, cls: str, parent: int, mtime: int, count: int, nfiles: int) -> int:
@@ -164,34 +166,43 @@ class _Rows:
             f[key].append(value)
         return len(f["folder_paths"]) - 1
 
-    def add_files(self, arrays: dict[str, np.ndarray], fresh: bool) -> None:
+    def add_files(self, arrays: dict[str, np.ndarray], linked: np.ndarray | None = None) -> None:
         for key, value in arrays.items():
             self.files[key].append(value)
-        self.fresh.append(np.full(len(arrays["paths"]), fresh))
+        self.linked.append(np.zeros(len(arrays["paths"]), bool) if linked is None else linked)
 
     def add_bad(self, row: int, path: str | bytes, reason: str | bytes) -> None:
         self.bad.append((row, path if isinstance(path, bytes) else encode(path),
                          reason if isinstance(reason, bytes) else encode(reason)))
 
-    def table(self) -> tuple[Table, np.ndarray]:
-        """The finished table (rows marked DROP left out) and, per kept row, whether it is new."""
+    def table(self, files_of: Table | None = None) -> tuple[Table, np.ndarray]:
+        """The finished table (rows marked DROP left out) and, per kept row, whether it is linked.
+        `files_of`: a table whose file rows are these rows, in this order (a load that trusted
+        every folder of the cache): its arrays are used as they are, not copied."""
+        if files_of is not None:
+            self.files = {k: [getattr(files_of, k)] for k in self.files}
+            self.linked = [np.zeros(len(files_of.paths), bool)]
         base = empty_table()
         # np.bytes_ with no width: each array as wide as its longest path.
         folders = {k: np.array(v, dtype=np.bytes_ if getattr(base, k).dtype.kind == "S" else getattr(base, k).dtype)
                    if v else getattr(base, k) for k, v in self.folders.items()}
-        files = {k: np.concatenate(v) if v else getattr(base, k) for k, v in self.files.items()}
-        fresh = np.concatenate(self.fresh) if self.fresh else np.zeros(0, bool)
+        files = {}
+        for k, parts in self.files.items():
+            files[k] = (parts[0] if len(parts) == 1 else np.concatenate(parts)) if parts else getattr(base, k)
+            parts.clear()  # one column's parts at a time beside the whole: the peak stays near 2x
+        linked = np.concatenate(self.linked) if self.linked else np.zeros(0, bool)
+        self.linked.clear()
         keep = files["widths"] != DROP
         if not keep.all():
             owner = np.repeat(np.arange(len(folders["folder_files"])), folders["folder_files"])
             folders["folder_files"] = np.bincount(owner[keep], minlength=len(folders["folder_files"])).astype(np.int64)
             files = {k: v[keep] for k, v in files.items()}
-            fresh = fresh[keep]
+            linked = linked[keep]
         bad = sorted(self.bad, key=lambda b: b[0])  # stable: walk order within a folder
         return Table(**folders, **files,
                      bad_folders=np.array([b[0] for b in bad], dtype=np.int64),
                      bad_paths=np.array([b[1] for b in bad], dtype=np.bytes_),
-                     bad_reasons=np.array([b[2] for b in bad], dtype=np.bytes_)), fresh
+                     bad_reasons=np.array([b[2] for b in bad], dtype=np.bytes_)), linked
 
 
 class _Home:
@@ -225,6 +236,8 @@ class Walk:
         self.old_bad: dict[int, list[int]] = {}  # folder row -> its rows in old.bad_*
         for i, folder in enumerate(old.bad_folders.tolist()):
             self.old_bad.setdefault(folder, []).append(i)
+        self.next_old = 0  # the cache's folder row a load that changes nothing takes next
+        self.unchanged = True  # so far every folder was the cache's next one, trusted
         self.seen_folders: set[tuple[int, int]] = set()  # (st_dev, st_ino)
         self.linked: set[tuple[int, str]] = set()  # (split, name) of class folders that are symlinks
         self.rows = _Rows()
@@ -242,8 +255,9 @@ class Walk:
         finally:
             self.headers.finish()
         self.checked.headers = self.headers.done
-        table, fresh = self.rows.table()
-        return _use_each_file_once(table, fresh), self.checked
+        unchanged = self.unchanged and self.next_old == len(self.old.folder_files)
+        table, linked = self.rows.table(self.old if unchanged else None)
+        return _use_each_file_once(table, linked), self.checked
 
     def _escapes(self, path: str, home: Path) -> Path | None:
         """Where the link at `path` leads, when that is inside the tree but outside `home` (the
@@ -270,15 +284,19 @@ class Walk:
                 old_row: int | None) -> list[tuple[str, int, int | None]]:
         """Add one folder's rows; its sub-folders to walk next, in name order."""
         rel = folder[self.cut:]
+        self.unchanged = self.unchanged and old_row == self.next_old
+        self.next_old = -1 if old_row is None else old_row + 1
         try:
             st = os.stat(folder)
             if (st.st_dev, st.st_ino) in self.seen_folders:
+                self.unchanged = False
                 row = self.rows.folder(rel, split, cls, parent, UNTRUSTED, 0, 0)
                 self.rows.add_bad(row, rel, "folder reached a second time through a symlink: its images are used once")
                 return []
             self.seen_folders.add((st.st_dev, st.st_ino))
             count = len(os.listdir(folder))
         except OSError as e:
+            self.unchanged = False
             row = self.rows.folder(rel, split, cls, parent, UNTRUSTED, 0, 0)
             self.rows.add_bad(row, rel, f"cannot list folder: {e.strerror or e}")
             return []
@@ -296,7 +314,7 @@ class Walk:
         start, n = int(self.old_starts[old_row]), int(old.folder_files[old_row])
         row = self.rows.folder(rel, split, cls, parent, int(old.folder_mtimes[old_row]),
                                int(old.folder_counts[old_row]), n)
-        self.rows.add_files({k: getattr(old, k)[start:start + n] for k in self.rows.files}, fresh=False)
+        self.rows.add_files({k: getattr(old, k)[start:start + n] for k in self.rows.files})
         for i in self.old_bad.get(old_row, []):
             self.rows.add_bad(row, bytes(old.bad_paths[i]), bytes(old.bad_reasons[i]))
         root = str(self.root)
@@ -306,6 +324,7 @@ class Walk:
                 mtime: int, count: int) -> list[tuple[str, int, int | None]]:
         """List the folder's entries and stat its files; read headers of the new or changed."""
         self.checked.rescanned += 1
+        self.unchanged = False
         old, cut = self.old, self.cut
         known: dict[bytes, int] = {}  # path -> old file row, for this folder's unchanged files
         old_reasons: dict[bytes, bytes] = {}
@@ -323,7 +342,7 @@ class Walk:
             self.rows.add_bad(row, rel, f"cannot list folder: {e.strerror or e}")
             return []
         subfolders: list[tuple[str, int, int | None]] = []
-        names, sizes, mtimes, devs, inos, widths, heights = [], [], [], [], [], [], []
+        names, sizes, mtimes, devs, inos, widths, heights, linked = [], [], [], [], [], [], [], []
         unread: list[int] = []  # positions whose header must be read
         for entry in entries:
             entry_rel = entry.path[cut:]
@@ -374,6 +393,7 @@ class Walk:
             mtimes.append(st.st_mtime_ns)
             devs.append(st.st_dev)
             inos.append(st.st_ino)
+            linked.append(st.st_nlink > 1 or entry.is_symlink())
             widths.append(width)
             heights.append(height)
         arrays = {"paths": np.array(names, dtype=np.bytes_), "sizes": np.array(sizes, dtype=np.int64),
@@ -381,7 +401,7 @@ class Walk:
                   "heights": np.array(heights, dtype=np.int32), "devs": np.array(devs, dtype=np.uint64),
                   "inos": np.array(inos, dtype=np.uint64)}
         self.rows.folders["folder_files"][row] = len(names)
-        self.rows.add_files(arrays, fresh=True)
+        self.rows.add_files(arrays, np.array(linked, dtype=bool))
         if not trusted:
             self.rows.folders["folder_mtimes"][row] = UNTRUSTED
         for i in range(0, len(unread), HEADER_CHUNK):
@@ -403,13 +423,13 @@ class Walk:
         return take
 
 
-def _use_each_file_once(table: Table, fresh: np.ndarray) -> Table:
+def _use_each_file_once(table: Table, linked: np.ndarray) -> Table:
     """Leave out every file reached a second time (a hard link, or two links to one file): the
-    first in walk order is kept. Only new rows can repeat a file (the cached rows were checked
-    when they were new), so the check costs nothing when nothing changed."""
-    if not fresh.any():
+    first in walk order is kept. A repeat needs a new row that is a link (`linked`), so a tree
+    without links costs nothing here, and the rows checked are those sharing an inode with one."""
+    if not linked.any():
         return table
-    candidates = np.flatnonzero(np.isin(table.inos, table.inos[fresh]))
+    candidates = np.flatnonzero(np.isin(table.inos, table.inos[linked]))
     order = candidates[np.lexsort((candidates, table.inos[candidates], table.devs[candidates]))]
     same = (table.devs[order][1:] == table.devs[order][:-1]) & (table.inos[order][1:] == table.inos[order][:-1])
     if not same.any():
