@@ -174,7 +174,8 @@ def measure(which: str, root: Path, old_module: Path, baseline: int, cold: bool 
 
 def at_once(which: str, root: Path, old_module: Path, n: int, baseline: int) -> dict:
     """`n` processes loading `root` together: wall time until the last is done, stat calls of all."""
-    script = (f"import subprocess, sys; ps = [subprocess.Popen({[sys.executable, __file__, '--child', which, str(root), str(old_module)]!r}, "
+    argv = [sys.executable, __file__, "--child", which, str(root), str(old_module)]
+    script = (f"import subprocess, sys; ps = [subprocess.Popen({argv!r}, "
               f"stdout=subprocess.DEVNULL) for _ in range({n})]; sys.exit(max(p.wait() for p in ps))")
     env = {**os.environ, "PYTHONPATH": str(SRC)}
     t = time.perf_counter()
@@ -224,7 +225,8 @@ def main() -> None:
             for which in ("old", "new"):
                 added += add_files(root, f"{which}-counted")
             for which in ("old", "new"):
-                row[f"{which}_added"]["stat_calls"] = run_child(which, root, old_module, strace=True)["stat_calls"] - baseline
+                counted = run_child(which, root, old_module, strace=True)["stat_calls"]
+                row[f"{which}_added"]["stat_calls"] = counted - baseline
         finally:
             for path in added:
                 path.unlink()

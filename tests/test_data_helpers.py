@@ -44,7 +44,7 @@ def age(root: Path, seconds: float = 60) -> Path:
     import time
 
     then = time.time_ns() - int(seconds * 1e9)
-    for folder, subfolders, names in os.walk(root):
+    for folder, _, names in os.walk(root):
         for name in names:
             if name.startswith(".speedrun-index"):
                 continue  # the index's own cache keeps its time

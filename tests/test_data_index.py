@@ -129,7 +129,8 @@ def test_read_only_tree_caches_in_the_cache_dir(tmp_path, monkeypatch):
     root = make_tree(tmp_path / "ro")
     # Tests run as root, for whom every folder is writable: make this one read-only to the code.
     real_access = os.access
-    monkeypatch.setattr(index_cache.os, "access", lambda p, m: False if os.path.samefile(p, root) else real_access(p, m))
+    monkeypatch.setattr(index_cache.os, "access",
+                        lambda p, m: False if os.path.samefile(p, root) else real_access(p, m))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     where = cache_path(root)
     assert tmp_path / "cache" in where.parents
@@ -217,8 +218,8 @@ def test_train_verify_index_sees_a_file_rewritten_in_place(tmp_path):
     write_jpeg(root / "train/c00/img001.JPEG", 99, 11, seed=7)  # in place: its folder unchanged
     recipe = tmp_path / "r.py"
     recipe.write_text("from speedrun.recipe import Phase, Recipe\n"
-                      "recipe = Recipe('v', (Phase(0, 1, size=24, batch_size=4, lr=0.05),), model='resnet-fmnist-tiny', "
-                      "dataset='imagefolder', val_batch_size=4)\n")
+                      "recipe = Recipe('v', (Phase(0, 1, size=24, batch_size=4, lr=0.05),), "
+                      "model='resnet-fmnist-tiny', dataset='imagefolder', val_batch_size=4)\n")
     run = speedrun_here("train", "--recipe", str(recipe), "--data", str(root), "--workers", "1", "--device", "cpu",
                         "--target", "none", "--verify-index", "--out", str(tmp_path / "run"))
     assert run.returncode == 0, run.stderr

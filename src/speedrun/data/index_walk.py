@@ -330,7 +330,8 @@ class Walk:
         old_reasons: dict[bytes, bytes] = {}
         if old_row is not None:
             start = int(self.old_starts[old_row])
-            known = {p: start + i for i, p in enumerate(old.paths[start:start + int(old.folder_files[old_row])].tolist())}
+            mine = old.paths[start:start + int(old.folder_files[old_row])]
+            known = {p: start + i for i, p in enumerate(mine.tolist())}
             old_reasons = {bytes(old.bad_paths[i]): bytes(old.bad_reasons[i]) for i in self.old_bad.get(old_row, [])}
         trusted = True  # False: something could not be read, so list the folder again next time
         row = self.rows.folder(rel, split, cls, parent, mtime, count, 0)
@@ -441,7 +442,8 @@ def _use_each_file_once(table: Table, linked: np.ndarray) -> Table:
     repeats = order[1:][same]
     bad = list(zip(table.bad_folders.tolist(), table.bad_paths.tolist(), table.bad_reasons.tolist()))
     for r, f in zip(repeats.tolist(), first[1:][same].tolist()):
-        bad.append((int(owner[r]), table.paths[r], encode(f"the same file as {decode(table.paths[f])} (a link): used once")))
+        reason = f"the same file as {decode(table.paths[f])} (a link): used once"
+        bad.append((int(owner[r]), table.paths[r], encode(reason)))
     bad.sort(key=lambda b: b[0])
     keep = np.ones(len(table.paths), bool)
     keep[repeats] = False
