@@ -140,16 +140,17 @@ def run_child(which: str, root: Path, old_module: Path, strace: bool) -> dict:
     if not strace:
         out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True).stdout
         return json.loads(out.strip().splitlines()[-1])
+    return {"stat_calls": stat_calls(cmd, env)}
+
+
+def stat_calls(cmd: list[str], env: dict) -> int:
+    """Path stat calls made by `cmd` and every process it starts, from `strace -f -c`'s table."""
     with tempfile.NamedTemporaryFile("r", suffix=".strace") as summary:
         subprocess.run(["strace", "-f", "-c", "--seccomp-bpf", "-e", f"trace={','.join(STAT_CALLS)}",
                         "-o", summary.name, *cmd], capture_output=True, text=True, env=env, check=True)
-        return {"stat_calls": stat_calls(summary.read())}
-
-
-def stat_calls(summary: str) -> int:
-    """Path stat calls in an `strace -c` summary table."""
+        table = summary.read()
     total = 0
-    for line in summary.splitlines():
+    for line in table.splitlines():
         parts = line.split()
         if parts and parts[-1] in STAT_CALLS and re.fullmatch(r"\d+", parts[3]):
             total += int(parts[3])
@@ -181,10 +182,7 @@ def at_once(which: str, root: Path, old_module: Path, n: int, baseline: int) -> 
     t = time.perf_counter()
     subprocess.run([sys.executable, "-c", script], env=env, check=True)
     seconds = time.perf_counter() - t
-    with tempfile.NamedTemporaryFile("r", suffix=".strace") as summary:
-        subprocess.run(["strace", "-f", "-c", "--seccomp-bpf", "-e", f"trace={','.join(STAT_CALLS)}",
-                        "-o", summary.name, sys.executable, "-c", script], env=env, check=True)
-        calls = stat_calls(summary.read()) - n * baseline
+    calls = stat_calls([sys.executable, "-c", script], env) - n * baseline
     return {"processes": n, "seconds": seconds, "stat_calls": calls}
 
 

@@ -203,7 +203,7 @@ def _assemble(root: Path, table: Table, classes: list[str], checked: Checked) ->
     """The Index (arrays per split) from a table, with the same checks for every way it was loaded."""
     label_of = {c: i for i, c in enumerate(classes)}
     folder_labels = np.array([label_of.get(decode(c), -1) for c in table.folder_classes.tolist()], dtype=np.int64)
-    owner = np.repeat(np.arange(len(table.folder_files)), table.folder_files)
+    owner = table.file_owners()
     labels = folder_labels[owner]
     file_splits = table.folder_splits[owner]
     usable = (table.widths > 0) & (labels >= 0)

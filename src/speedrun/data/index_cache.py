@@ -62,6 +62,22 @@ class Table:
         """First file row of each folder (int64)."""
         return np.concatenate([[0], np.cumsum(self.folder_files)[:-1]]).astype(np.int64)
 
+    def file_owners(self) -> np.ndarray:
+        """The folder row of each file row."""
+        return owners(self.folder_files)
+
+
+def owners(folder_files: np.ndarray) -> np.ndarray:
+    """The folder row of each file row, from the folders' file counts."""
+    return np.repeat(np.arange(len(folder_files)), folder_files)
+
+
+def bad_columns(bad: list[tuple[int, bytes, bytes]]) -> dict[str, np.ndarray]:
+    """Table's bad_* columns from (folder row, path, reason) rows."""
+    return {"bad_folders": np.array([b[0] for b in bad], dtype=np.int64),
+            "bad_paths": np.array([b[1] for b in bad], dtype=np.bytes_),
+            "bad_reasons": np.array([b[2] for b in bad], dtype=np.bytes_)}
+
 
 def empty_table() -> Table:
     """A table with no rows (what a first build starts from)."""

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from speedrun.data.index_cache import UNTRUSTED, Table, decode, empty_table, encode
+from speedrun.data.index_cache import UNTRUSTED, Table, bad_columns, decode, empty_table, encode, owners
 from speedrun.errors import one_line
 
 # torchvision's ImageFolder extensions; anything else in the tree is not an image.
@@ -194,15 +194,12 @@ class _Rows:
         self.linked.clear()
         keep = files["widths"] != DROP
         if not keep.all():
-            owner = np.repeat(np.arange(len(folders["folder_files"])), folders["folder_files"])
+            owner = owners(folders["folder_files"])
             folders["folder_files"] = np.bincount(owner[keep], minlength=len(folders["folder_files"])).astype(np.int64)
             files = {k: v[keep] for k, v in files.items()}
             linked = linked[keep]
         bad = sorted(self.bad, key=lambda b: b[0])  # stable: walk order within a folder
-        return Table(**folders, **files,
-                     bad_folders=np.array([b[0] for b in bad], dtype=np.int64),
-                     bad_paths=np.array([b[1] for b in bad], dtype=np.bytes_),
-                     bad_reasons=np.array([b[2] for b in bad], dtype=np.bytes_)), linked
+        return Table(**folders, **files, **bad_columns(bad)), linked
 
 
 class _Home:
@@ -435,7 +432,7 @@ def _use_each_file_once(table: Table, linked: np.ndarray) -> Table:
     same = (table.devs[order][1:] == table.devs[order][:-1]) & (table.inos[order][1:] == table.inos[order][:-1])
     if not same.any():
         return table
-    owner = np.repeat(np.arange(len(table.folder_files)), table.folder_files)
+    owner = table.file_owners()
     # Each repeat's first: the row where its run of equal keys starts.
     starts = np.r_[True, ~same]
     first = order[np.maximum.accumulate(np.where(starts, np.arange(len(order)), 0))]
@@ -449,7 +446,4 @@ def _use_each_file_once(table: Table, linked: np.ndarray) -> Table:
     keep[repeats] = False
     counts = np.bincount(owner[keep], minlength=len(table.folder_files)).astype(np.int64)
     fields = {k: getattr(table, k)[keep] for k in ("paths", "sizes", "mtimes", "widths", "heights", "devs", "inos")}
-    return dataclasses.replace(table, folder_files=counts, **fields,
-                               bad_folders=np.array([b[0] for b in bad], dtype=np.int64),
-                               bad_paths=np.array([b[1] for b in bad], dtype=np.bytes_),
-                               bad_reasons=np.array([b[2] for b in bad], dtype=np.bytes_))
+    return dataclasses.replace(table, folder_files=counts, **fields, **bad_columns(bad))
