@@ -36,6 +36,19 @@ def test_norm_bias_mode_decays_only_conv_and_linear_weights():
                              m.fc.bias])
 
 
+def test_norm_bias_mode_makes_timms_groups_in_timms_order():
+    # The rule is timm's param_groups_weight_decay, written out so that training imports no timm;
+    # the order matters too: a checkpoint's optimizer state is kept per group.
+    from timm.optim import param_groups_weight_decay
+
+    from speedrun.model import build_model
+
+    for model in (Mixed(), build_model("timm/vit_tiny_patch16_224", 10), build_model("resnet18", 10)):
+        ours, timms = param_groups(model, 1e-4, "norm_bias"), param_groups_weight_decay(model, 1e-4)
+        assert [(ids(g["params"]), g["weight_decay"]) for g in ours] == [
+            (ids(g["params"]), g["weight_decay"]) for g in timms]
+
+
 def test_original_mode_exempts_batchnorm_only():
     m = Mixed()
     decayed, undecayed = decayed_and_not(m, "bn")
