@@ -14,7 +14,8 @@ import speedrun
 # (how the layer test was shown failing on the tree before the cluster stopped importing stopping.py).
 SRC = Path(os.environ.get("SPEEDRUN_LAYOUT_SRC", Path(speedrun.__file__).parent))
 # Below both halves: what the trainer and the cluster wing may share.
-BASE = {"speedrun", "speedrun.errors", "speedrun.files", "speedrun.spot", "speedrun.money", "speedrun.inputs"}
+BASE = {"speedrun", "speedrun.errors", "speedrun.files", "speedrun.spot", "speedrun.money", "speedrun.inputs",
+        "speedrun.startup"}
 # The loop and what only it uses: nothing below it (recipes, data, models) imports these.
 LOOP = {"speedrun.engine", "speedrun.learner", "speedrun.checkpoint", "speedrun.stopping", "speedrun.track",
         "speedrun.rundir", "speedrun.local_launch"}

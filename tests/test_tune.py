@@ -106,6 +106,7 @@ def test_a_budget_is_a_duration_or_dollars():
     (["--target", "top1=0.5", "--budget", "30s"], "--budget 30s cannot hold one trial: the first rung"),
     (["--target", "top1=0.5", "--objective", "cost"], "--objective cost and a $ budget need the machine's price"),
     (["--target", "top1=0.5", "--budget", "soon"], "--budget 'soon': give a duration"),
+    (["--target", "top1=0.5", "--env", "novalue"], "bad --env 'novalue': write KEY=VALUE"),
 ])
 def test_bad_input_is_one_line_and_exit_2_before_any_trial(tmp_path, args, line):
     one_line_error(speedrun_here("tune", "tiny", "--trials", "2", "--out", str(tmp_path / "s"), *args), line)

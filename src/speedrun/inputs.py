@@ -80,6 +80,18 @@ def given_path(text: str) -> Path:
     return Path(given(text))
 
 
+def parse_env(items: list[str], option: str, *, show: bool = True) -> dict[str, str]:
+    """KEY=VALUE items of `option` as a dict; SpeedrunError for one not of that form (quoting it
+    unless `show` is False: values that may be secret are never printed)."""
+    env = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise SpeedrunError(f"bad {option}{f' {item!r}' if show else ''}: write KEY=VALUE")
+        env[key] = value
+    return env
+
+
 def env_number(name: str, bound: Bound, default: float | None = None) -> float | None:
     """The environment variable `name` read as `bound`'s kind, or `default` when it is unset or
     empty; outside the bounds (or not a number) is bad input: SpeedrunError, one line, exit 2."""

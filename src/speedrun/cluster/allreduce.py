@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from speedrun.files import to_json
+from speedrun.startup import kept_imports
 
 MiB = 1 << 20
 
@@ -96,8 +97,9 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
             os._exit(3)  # not a clean shutdown: that would wait in a collective the others may never join
 
-    import torch
-    import torch.distributed as dist
+    with kept_imports():  # the collector's passes skip torch's objects (speedrun.startup)
+        import torch
+        import torch.distributed as dist
 
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

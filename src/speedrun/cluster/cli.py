@@ -28,7 +28,7 @@ from speedrun.cluster.down_cli import add_down_command
 from speedrun.cluster.progress import show_progress
 from speedrun.cluster.providers import DEFAULT_PROVIDER, PROVIDERS, UNLOADABLE
 from speedrun.errors import EXIT_BAD_INPUT, EXIT_FAILED, SpeedrunError, stop_on_sigterm
-from speedrun.inputs import PORT, PROCESSES, TASKS, USD_PER_HOUR, Bound, Parser, given, given_path
+from speedrun.inputs import PORT, PROCESSES, TASKS, USD_PER_HOUR, Bound, Parser, given, given_path, parse_env
 
 TASK_INDEX = Bound(int, 0, TASKS.hi - 1)  # a task's number in its job, from 0
 
@@ -258,18 +258,6 @@ def cmd_launch(args: argparse.Namespace) -> int:
     for i, r in failed:
         print(f"speedrun: task {i} failed with exit status {r.status} (log: {r.log})", file=sys.stderr)
     return EXIT_FAILED if failed else 0
-
-
-def parse_env(items: list[str], option: str, *, show: bool = True) -> dict[str, str]:
-    """KEY=VALUE items of `option` as a dict; SpeedrunError for one not of that form (quoting it
-    unless `show` is False: values that may be secret are never printed)."""
-    env = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.isidentifier():
-            raise SpeedrunError(f"bad {option}{f' {item!r}' if show else ''}: write KEY=VALUE")
-        env[key] = value
-    return env
 
 
 def wait_for_job(job: Job, window: str, follow: bool) -> list[Result]:

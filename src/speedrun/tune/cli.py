@@ -12,7 +12,7 @@ from speedrun.config import absolute_data
 from speedrun.console import output_console, print_table
 from speedrun.errors import SpeedrunError, stop_on_sigterm
 from speedrun.files import to_json
-from speedrun.inputs import SEED, USD_PER_HOUR, WORKERS, Bound, given, given_path
+from speedrun.inputs import SEED, USD_PER_HOUR, WORKERS, Bound, given, given_path, parse_env
 from speedrun.recipe import EPOCHS
 
 STEPS = Bound(int, 2, 100_000)
@@ -91,6 +91,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the Optuna study's database (default: sqlite in --out; e.g. postgresql://user@host/db)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="passed to every trial")
     p.add_argument("--workers", type=WORKERS, default=None, metavar="N", help="passed to every trial")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="set a variable for every trial, here or on the job's machines (repeatable; as launch's)")
     p.add_argument("--json", action="store_true", help="print the trials as JSON, for scripts")
     p.set_defaults(func=cmd_tune)
 
@@ -169,6 +171,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from speedrun.tune.study import Controller, Search, open_study, shown, storage_url
     from speedrun.tune.trials import JobTrials, LocalTrials, trial_env
 
+    user_env = parse_env(args.env, "--env")
     recipe = recipe_for(args.recipe, args.data, args.workers)
     if args.epochs is not None:
         recipe = recipe.with_epochs(args.epochs)
@@ -229,7 +232,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         f"{args.objective}; study in {shown(url)}")
     print_table(console, [{"field": k, "searched over": v} for k, v in describe(space).items()])
     restore_sigterm = stop_on_sigterm()  # `kill` stops the search as Ctrl-C does, trials at a step
-    extra = {PRICE_ENV: price.to_env()} if price else {}
+    extra = {**user_env, **({PRICE_ENV: price.to_env()} if price else {})}
     if job:
         trials, env = JobTrials(job, remote, parallel, out), extra
     else:

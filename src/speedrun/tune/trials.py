@@ -328,9 +328,9 @@ def same_failure(a: str, b: str) -> bool:
 
 def trial_env(parallel: int, extra: dict[str, str]) -> dict[str, str]:
     """The environment of each trial on this machine: this one, `extra`, and its share of the cores
-    for its computing threads when the user set none (K trials each with every core's threads cost
+    for its computing threads when neither sets them (K trials each with every core's threads cost
     several times the CPU, docs/measurements.md)."""
     env = {**os.environ, **extra}
-    if "OMP_NUM_THREADS" not in os.environ:
+    if "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // parallel))
     return env
