@@ -59,6 +59,22 @@ def test_corrupt_and_truncated_files_give_clear_errors(tmp_path):
         fm.read_idx(zero)
 
 
+def test_the_first_items_alone_are_read_and_a_file_cut_short_is_still_refused(tmp_path):
+    whole = DEBIAN / "train-images-idx3-ubyte.gz"
+    first = fm.read_idx(whole, count=100)
+    assert first.shape == (100, 28, 28) and (first == fm.read_idx(whole)[:100]).all()
+    assert fm.read_idx(DEBIAN / "t10k-labels-idx1-ubyte.gz", count=10**6).shape == (10000,)  # all there is
+    raw = tmp_path / "train-images-idx3-ubyte"
+    raw.write_bytes(gzip.decompress(whole.read_bytes()))
+    assert (fm.read_idx(raw, count=100) == first).all()
+    # Cut after its first images: those still decompress, the length the header gives does not.
+    for cut, data in ((tmp_path / "cut.gz", whole.read_bytes()[:200_000]),
+                      (tmp_path / "cut", raw.read_bytes()[:100_000])):
+        cut.write_bytes(data)
+        with pytest.raises(SpeedrunError, match="truncated or corrupt"):
+            fm.read_idx(cut, count=10)
+
+
 def test_source_shapes_subsets_and_val_resize():
     source = fm.FashionMNIST(None, train_examples=1000, val_examples=300)
     assert source.num_train == 1000 and source.num_val == 300

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -94,24 +95,40 @@ def _download(directory: Path) -> dict[str, Path]:
     return found
 
 
-def read_idx(path: Path) -> np.ndarray:
-    """An IDX file (gzipped or not) as a uint8 array of the shape its header gives."""
-    opener = gzip.open if path.suffix == ".gz" else open
+def read_idx(path: Path, count: int | None = None) -> np.ndarray:
+    """An IDX file (gzipped or not) as a uint8 array of the shape its header gives; with `count`,
+    only its first `count` items (all of them if it holds fewer). Only those are read: a recipe
+    that trains on a tenth of the set decompresses a tenth of it (0.03 s instead of 0.3 s at every
+    start). The file's whole length is still checked against its header, by the gzip trailer's
+    size field or the file's size, so a file cut short is refused even where its first items read."""
+    gz = path.suffix == ".gz"
     try:
-        with opener(path, "rb") as f:
-            data = f.read()
-    except (OSError, EOFError) as e:
+        with (gzip.open if gz else open)(path, "rb") as f:
+            # Header: two zero bytes, a type code (0x08 = unsigned byte), the number of dimensions,
+            # then one big-endian int32 per dimension.
+            head = f.read(4)
+            if len(head) < 4 or head[:2] != b"\0\0" or head[2] != 0x08:
+                raise SpeedrunError(f"{path} is not an unsigned-byte IDX file")
+            ndim = head[3]
+            dims = [int.from_bytes(f.read(4), "big") for _ in range(ndim)]
+            item = int(np.prod(dims[1:]))
+            n = dims[0] if count is None else min(count, dims[0])
+            data = f.read(n * item)
+            whole = f.read() if count is None else None
+        expected = 4 + 4 * ndim + int(np.prod(dims))
+        if whole is not None:
+            size = 4 + 4 * ndim + len(data) + len(whole)
+        elif gz:  # gzip's last 4 bytes: the uncompressed size, modulo 2**32 (RFC 1952)
+            with open(path, "rb") as raw:
+                raw.seek(-4, os.SEEK_END)
+                size, expected = int.from_bytes(raw.read(4), "little"), expected % 2**32
+        else:
+            size = path.stat().st_size
+    except (OSError, EOFError, zlib.error) as e:
         raise SpeedrunError(f"cannot read {path}: {e}") from None
-    # Header: two zero bytes, a type code (0x08 = unsigned byte), the number of dimensions,
-    # then one big-endian int32 per dimension.
-    if len(data) < 4 or data[:2] != b"\0\0" or data[2] != 0x08:
-        raise SpeedrunError(f"{path} is not an unsigned-byte IDX file")
-    ndim = data[3]
-    dims = [int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)]
-    expected = 4 + 4 * ndim + int(np.prod(dims))
-    if len(data) != expected:
-        raise SpeedrunError(f"{path} is truncated or corrupt: {len(data)} bytes, expected {expected}")
-    return np.frombuffer(data, np.uint8, offset=4 + 4 * ndim).reshape(dims)
+    if size != expected or len(data) != n * item:
+        raise SpeedrunError(f"{path} is truncated or corrupt: {size} bytes, expected {expected}")
+    return np.frombuffer(data, np.uint8).reshape([n, *dims[1:]])
 
 
 class FashionMNIST:
@@ -133,7 +150,9 @@ class FashionMNIST:
         val_examples: int | None = None,
     ):
         files = find_files(path)
-        arrays = {key: read_idx(p) for key, p in files.items()}
+        counts = {"train_images": train_examples, "train_labels": train_examples, "val_images": val_examples,
+                  "val_labels": val_examples}
+        arrays = {key: read_idx(p, counts[key]) for key, p in files.items()}
         device = torch.device(device)
         self.train_images = torch.from_numpy(arrays["train_images"][:train_examples].copy())[:, None].to(device)
         self.train_labels = torch.from_numpy(arrays["train_labels"][:train_examples].astype(np.int64)).to(device)

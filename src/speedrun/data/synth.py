@@ -205,7 +205,7 @@ def fmnist_tree(
             raise SpeedrunError(
                 f"Fashion-MNIST not found at {source} (install Debian's dataset-fashion-mnist or pass --source)"
             )
-        images, labels = read_idx(img_file)[:count], read_idx(lbl_file)[:count]
+        images, labels = read_idx(img_file, count), read_idx(lbl_file, count)
         for cls in FMNIST_CLASSES:
             (root / split / cls).mkdir(parents=True, exist_ok=True)
         chunk = 256
