@@ -11,10 +11,10 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from speedrun.data.base import Shard
 from speedrun.data.imagefolder import ImageFolderSource
+from ranks import start_ranks
 from test_data_helpers import make_tree
 
 SIZE, BATCH = 32, 6
@@ -72,7 +72,7 @@ def tree(tmp_path_factory):
                      sizes=[(96, 72), (72, 96), (120, 60), (64, 64), (60, 110), (100, 70)])
 
 
-# Each process start costs seconds (spawn imports torch): square validation only at world 3.
+# Each rank costs seconds: square validation only at world 3.
 @pytest.mark.slow
 @pytest.mark.parametrize("world,rect", [(1, True), (2, True), (3, True), (3, False)])
 def test_sharded_validation_matches_one_process(tree, tmp_path, world, rect):
@@ -81,9 +81,7 @@ def test_sharded_validation_matches_one_process(tree, tmp_path, world, rect):
     assert batches == 4 and expected[3] == 21  # 7 classes x 3 images; 21 / 6 -> 4 batches
     out = str(tmp_path / "metrics.pt")
     init = f"file://{tmp_path / 'rendezvous'}"
-    # spawn, not fork: a child forked from this (threaded) pytest process can deadlock.
-    ranks = mp.start_processes(_rank_main, args=(world, init, root, rect, out), nprocs=world, join=False,
-                               start_method="spawn")
+    ranks = start_ranks(_rank_main, (world, init, root, rect, out), world)
     deadline = time.monotonic() + 300
     while not ranks.join(timeout=2):  # raises if a rank failed
         if time.monotonic() > deadline:  # a hang fails the test instead of stalling the suite
@@ -115,8 +113,7 @@ def _index_rank(rank: int, world: int, init: str, root: str, out: str) -> None:
 def test_in_a_job_rank_0_builds_the_index_and_the_others_read_it_without_walking(tmp_path):
     root = make_tree(tmp_path / "d", classes=3, train_per_class=4, val_per_class=2)
     out = str(tmp_path / "index")
-    ranks = mp.start_processes(_index_rank, args=(3, f"file://{tmp_path / 'rendezvous'}", str(root), out), nprocs=3,
-                               join=False, start_method="spawn")
+    ranks = start_ranks(_index_rank, (3, f"file://{tmp_path / 'rendezvous'}", str(root), out), 3)
     deadline = time.monotonic() + 300
     while not ranks.join(timeout=2):
         if time.monotonic() > deadline:

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from cli_run import speedrun, start, wait_for
+from ranks import start_ranks
 
 from speedrun.config import TrainConfig
 from speedrun.dist import init_distributed, shutdown
@@ -211,7 +211,7 @@ def test_evaluate_under_ddp_finishes_when_a_rank_has_no_validation_batch(tmp_pat
     # broadcasts BatchNorm buffers, a collective rank 2 would never join; evaluation must not
     # run through it, whichever module it is handed.
     out = str(tmp_path / "metrics.pt")
-    ranks = mp.start_processes(_evaluate_rank, args=(3, free_port(), out), nprocs=3, join=False, start_method="spawn")
+    ranks = start_ranks(_evaluate_rank, (3, free_port(), out), 3)
     try:
         wait_for(lambda: ranks.join(timeout=1), 240, "3 ranks evaluating")  # join raises if a rank failed
     finally:

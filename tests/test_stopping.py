@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from cli_run import start, wait_for
+from ranks import start_ranks
 from speedrun.errors import EXIT_RESUMABLE
 from speedrun.track import read_jsonl
 from test_distributed import env_one_thread, run_cli, write_recipe
@@ -337,9 +338,6 @@ def test_a_sigterm_that_lands_during_the_agreement_waits_for_the_next_one(tmp_pa
     waits in the step's agreement is not part of that answer (the others did not hear it), so that
     rank goes on with them and it is asked at the next step. Before, that rank alone stopped and the
     others waited for it in the next step until the run hung."""
-    import torch.multiprocessing as mp
-
-    mp.start_processes(_agree_with_a_sigterm_during_the_question, args=(str(tmp_path / "store"), str(tmp_path)),
-                       nprocs=2, start_method="spawn")
+    start_ranks(_agree_with_a_sigterm_during_the_question, (str(tmp_path / "store"), str(tmp_path)), 2, join=True)
     answers = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert answers == [[False, True], [False, True]]
