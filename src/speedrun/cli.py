@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     from speedrun import experiment_cli, train_cli
     from speedrun.cluster import cli as cluster_cli
     from speedrun.data import cli as data_cli
+    from speedrun.trackers import cli as track_cli
     from speedrun.tune import cli as tune_cli
 
     parser = Parser(
@@ -39,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     experiment_cli.register(sub)
     tune_cli.register(sub)
     data_cli.register(sub)
+    track_cli.register(sub)
     cluster_cli.register(sub)
     return parser
 

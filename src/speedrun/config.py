@@ -7,6 +7,7 @@ from pathlib import Path
 
 from speedrun.money import Price
 from speedrun.recipe import Recipe
+from speedrun.trackers import TrackSpec
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,8 @@ class TrainConfig:
     loader: str = "auto"  # image-folder training decode: "auto", "pil" or "dali" (data.build_source)
     verify_index: bool = False  # check the image-folder index file by file, not by folder (data.index)
     log_every: int = 50  # steps between train-loss records
+    track: tuple[TrackSpec, ...] = ()  # experiment trackers beside TensorBoard (speedrun.trackers)
+    track_checkpoints: bool = False  # also upload the final checkpoint to them
     checkpoint_every: int = 1  # epochs between checkpoints (0: never)
     checkpoint_minutes: float | None = None  # also a checkpoint mid-epoch when this many minutes passed
     spot_notice_url: str | None = None  # poll it for a spot interruption notice (see speedrun.stopping)

@@ -29,7 +29,8 @@ from speedrun.optim import set_lr
 from speedrun.recipe import Phase, Recipe
 from speedrun.rundir import already_complete, claim_run_dir, complete, run_dir_error
 from speedrun.stopping import StopRequests
-from speedrun.track import Clock, Tracker, build_results, interruption, memory_mb, recovery_costs, run_header
+from speedrun.track import (Clock, Tracker, build_results, interruption, memory_mb, open_run_trackers, recovery_costs,
+                            run_header)
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
@@ -61,7 +62,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             if cfg.price is not None:  # a resume on other machines (a recovery) costs their price
                 state.price = dataclasses.asdict(cfg.price)
             state.record_classes(source)  # for `speedrun eval` to check other data against
-            tracker = Tracker(cfg.out, enabled=ctx.is_main, resume_step=state.step if cfg.resume else None)
+            tracker = Tracker(cfg.out, enabled=ctx.is_main, resume_step=state.step if cfg.resume else None,
+                              trackers=open_run_trackers(cfg, ctx), track_checkpoints=cfg.track_checkpoints)
             try:
                 if run_dir.note:
                     tracker.print(run_dir.note)

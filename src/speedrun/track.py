@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import os
 import platform
 import resource
 import time
@@ -32,6 +33,7 @@ from speedrun import files
 from speedrun.version import __version__
 from speedrun.files import read_jsonl  # noqa: F401 - its old home (tests and users read it here)
 from speedrun.money import Price, cost_fields
+from speedrun.trackers import Trackers, open_trackers, saved_tracks
 
 if TYPE_CHECKING:  # types only: the loop hands these in
     from speedrun.checkpoint import RunState
@@ -42,6 +44,9 @@ if TYPE_CHECKING:  # types only: the loop hands these in
 
 
 TB_FLUSH_S = 5  # seconds between TensorBoard's flushes to disk (see Tracker.__init__)
+# results.json's figures that a tracker gets as metrics at the run's end (its last step).
+SUMMARY = ("time_to_target_s", "time_to_target_from_first_step_s", "cost_to_target_usd", "cost_usd", "total_s",
+           "startup_s", "lost_s", "epochs_run")
 
 
 class Tracker:
@@ -49,10 +54,13 @@ class Tracker:
     (ranks other than 0) every method does nothing."""
 
     def __init__(self, run_dir: Path, enabled: bool = True, console: Console | None = None,
-                 resume_step: int | None = None):
+                 resume_step: int | None = None, trackers: Trackers | None = None, track_checkpoints: bool = False):
         self.run_dir = Path(run_dir)
         self.enabled = enabled
         self.console = console or Console(highlight=False)
+        self.trackers = trackers or Trackers([])  # MLflow...: what this class logs goes there too
+        self.track_checkpoints = track_checkpoints
+        self._status = "interrupted"  # the run's, once results.json holds its end (write_results)
         self._tb = None
         self._progress: Progress | None = None
         self._task = None
@@ -108,6 +116,10 @@ class Tracker:
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
+        if self.trackers:
+            self.trackers.status(self._status)
+            for line in self.trackers.close():
+                self.print(line)
         if self._tb is not None:
             tb, self._tb = self._tb, None
             try:
@@ -125,6 +137,7 @@ class Tracker:
         _append_jsonl(self.run_dir / "steps.jsonl", record)
         self._tb.add_scalar("train/loss", record["loss"], record["step"])
         self._tb.add_scalar("train/lr", record["lr"], record["step"])
+        self.trackers.metrics(record["step"], {"train/loss": record["loss"], "train/lr": record["lr"]})
 
     def log_epoch(self, record: dict[str, Any]) -> None:
         """One epoch's speed record: step, epoch, size, batch_size, images_per_s, epoch_s, memory_mb."""
@@ -134,6 +147,8 @@ class Tracker:
             raise FileNotFoundError(errno.ENOENT, "the run directory's tb/ folder is gone", str(self.run_dir / "tb"))
         for key in ("size", "batch_size", "images_per_s", "epoch_s", "memory_mb"):
             self._tb.add_scalar(f"train/{key}", record[key], record["step"])
+        self.trackers.metrics(record["step"], {"epoch": record["epoch"], **{
+            f"train/{key}": record[key] for key in ("size", "batch_size", "images_per_s", "epoch_s", "memory_mb")}})
 
     def log_eval(self, record: dict[str, Any]) -> None:
         """One evaluation: epoch, step, loss, top1, top5, wall_s, size."""
@@ -143,16 +158,54 @@ class Tracker:
         for key in ("loss", "top1", "top5"):
             self._tb.add_scalar(f"val/{key}", record[key], record["step"])
         self._tb.flush()
+        self.trackers.metrics(record["step"], {f"val/{key}": record[key] for key in ("loss", "top1", "top5")})
 
     def write_results(self, results: dict[str, Any]) -> None:
-        if self.enabled:
-            write_json_atomic(self.run_dir / "results.json", results)
+        if not self.enabled:
+            return
+        write_json_atomic(self.run_dir / "results.json", results)
+        if self.trackers and results["status"] != "running":  # the run's end: its figures and files
+            self._status = results["status"]
+            self.trackers.metrics(results["steps"], {**{key: results.get(key) for key in SUMMARY},
+                                                     **{f"best/{k}": v for k, v in results["best"].items()}})
+            self.trackers.tags({"speedrun.status": results["status"],
+                                "speedrun.checkpoint": results.get("last_checkpoint") or "none"})
+            self.trackers.artifact("results.json")
+            if self.track_checkpoints and results.get("last_checkpoint"):
+                self.trackers.artifact("checkpoint.pt")
 
     def plot(self, evals: list[dict[str, Any]], target: dict | None) -> Path | None:
         """accuracy.png: top-1 and top-5 against wall-clock minutes and against epoch."""
         if not self.enabled or not evals:
             return None
-        return plot_accuracy(evals, target, self.run_dir / "accuracy.png")
+        path = plot_accuracy(evals, target, self.run_dir / "accuracy.png")
+        self.trackers.artifact(path.name)
+        return path
+
+
+# The run's settings a tracker gets as parameters, beside the recipe's fields (TrainConfig's names).
+SETTINGS = ("device", "seed", "deterministic", "compile", "precision", "memory_format", "data", "workers", "loader",
+            "log_every", "checkpoint_every", "sync_bn", "bucket_cap_mb", "bf16_grads")
+
+
+def open_run_trackers(cfg: TrainConfig, ctx: DistContext) -> Trackers:
+    """Rank 0's experiment trackers (cfg.track), each run made (the recipe flattened and the
+    settings as parameters; recipe, device, world size, job and host as tags) or found
+    again on a resume, before the first step: a tracker that does not answer is SpeedrunError."""
+    # A resumed run goes on with its trackers, asked for again or not.
+    specs = {s.kind: s for s in (*(saved_tracks(cfg.out) if cfg.resume else ()), *cfg.track)}
+    if not (specs and ctx.is_main):
+        return Trackers([])
+    from speedrun.compare import flatten_recipe
+
+    params = {"recipe.name": cfg.recipe.name,
+              **{f"recipe.{k}": v for k, v in flatten_recipe(cfg.recipe.to_dict()).items()}}
+    params.update({k: getattr(cfg, k) for k in SETTINGS}, world_size=ctx.world_size)
+    tags = {"speedrun.recipe": cfg.recipe.name, "speedrun.device": device_name(ctx.device),
+            "speedrun.world_size": str(ctx.world_size), "speedrun.host": platform.node(),
+            "speedrun.run_dir": str(cfg.out), "speedrun.version": __version__,
+            **({"speedrun.job": os.environ["SPEEDRUN_JOB"]} if os.environ.get("SPEEDRUN_JOB") else {})}
+    return open_trackers(tuple(specs.values()), cfg.out, cfg.out.name, params, tags)
 
 
 def plot_accuracy(evals: list[dict[str, Any]], target: dict | None, path: Path) -> Path:

@@ -19,6 +19,7 @@ from speedrun.spot import IMDS_NOTICE_URL, NOTICE_ENV
 from speedrun.recipe import BATCH_SIZE, EPOCHS, IMAGE_SIZE, MEMORY_FORMATS, PRECISIONS, Target
 from speedrun.recipes import BUILTIN, DEFAULT, FITTED
 from speedrun.recipes.fitting import recipe_for
+from speedrun.trackers import parse_tracks
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -67,6 +68,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "auto: gpu on GPUs with hardware JPEG decoders (A100, H100, H200, B200), else pil")
     p.add_argument("--log-every", type=Bound(int, 1, 1_000_000), default=50, metavar="STEPS",
                    help="steps between train-loss records (default 50)")
+    p.add_argument("--track", action="append", default=None, metavar="mlflow[=URI]",
+                   help="also log to an experiment tracker: parameters, metrics, tags, results.json and accuracy.png "
+                   "(repeatable; default $SPEEDRUN_TRACK; MLflow's URI defaults to $MLFLOW_TRACKING_URI)")
+    p.add_argument("--track-checkpoints", action="store_true",
+                   help="with --track: upload the final checkpoint too (its path is always a tag)")
     p.add_argument("--checkpoint-every", action="append", default=None, metavar="EPOCHS|MINUTESm",
                    help="epochs between checkpoints, 0 for none (default 1); `10m`: also one mid-epoch every 10 "
                         "minutes (both may be given)")
@@ -158,6 +164,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         recipe = dataclasses.replace(recipe, target=target)
     recipe.validate()
     checkpoint_every, checkpoint_minutes = parse_checkpoint_every(args.checkpoint_every or ["1"])
+    track = parse_tracks(args.track)
+    if args.track_checkpoints and not track:
+        raise SpeedrunError("--track-checkpoints uploads to a tracker: give --track mlflow[=URI] too")
     if args.spot_notice_url and not args.spot_notice_url.startswith(("http://", "https://")):
         raise SpeedrunError(f"bad --spot-notice-url {args.spot_notice_url!r}: "
                             f"give an http:// URL, e.g. {IMDS_NOTICE_URL}")
@@ -186,6 +195,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         loader=args.loader,
         verify_index=args.verify_index,
         log_every=args.log_every,
+        track=track,
+        track_checkpoints=args.track_checkpoints,
         checkpoint_every=checkpoint_every,
         checkpoint_minutes=checkpoint_minutes,
         spot_notice_url=args.spot_notice_url,
