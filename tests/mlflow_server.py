@@ -9,6 +9,7 @@ away mid-run and came back.
 """
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -36,7 +37,9 @@ class MLflowServer:
             [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port),
              "--workers", "1", "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
              "--artifacts-destination", str(self.root / "artifacts")],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            # No background job runner (a second process importing MLflow): the tests log runs only.
+            env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
         log.close()
         deadline = time.monotonic() + 180  # the first start makes the database's tables
         while True:
@@ -53,8 +56,6 @@ class MLflowServer:
     def kill(self) -> None:
         """SIGKILL the server and its workers: gone mid-request, as a lost machine is."""
         if self.proc is not None and self.proc.poll() is None:
-            import os
-
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=30)
         self.proc = None

@@ -52,6 +52,20 @@ def test_compare_skips_files_it_cannot_read_naming_each_and_plots_into_a_folder(
     assert all(str(tmp_path / n) in lines[0] for n in names[1:])
 
 
+def test_compare_of_a_folder_of_runs_never_takes_a_runs_own_files_for_another_run(tmp_path):
+    # W&B keeps a copy of a tracked run's results.json among the run's tracker files.
+    for run in ("a/seed0", "b/seed0"):
+        (tmp_path / run).mkdir(parents=True)
+        (tmp_path / run / "results.json").write_text(json.dumps({"status": "finished", "recipe": {"name": "r"},
+                                                                 "best": {"top1": 0.5}}))
+    copy = tmp_path / "a/seed0/trackers/wandb/offline-run-1/files"
+    copy.mkdir(parents=True)
+    (copy / "results.json").write_text((tmp_path / "a/seed0/results.json").read_text())
+    proc = speedrun_here("compare", str(tmp_path), "--json", "--plot", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert [r["run"] for r in json.loads(proc.stdout)] == [str(tmp_path / "a/seed0"), str(tmp_path / "b/seed0")]
+
+
 @pytest.mark.slow
 def test_compare_finished_unfinished_not_reached_and_different_recipes(tmp_path):
     slower = tmp_path / "slower.py"

@@ -85,7 +85,7 @@ def test_a_number_out_of_bounds_is_one_line_exit_2_naming_the_option_and_its_ran
     (["train", "--out", " "], "argument --out"),
     (["launch", "job", "--hosts", "", "--", "x.py"], "argument --hosts"),
     (["data", "synth", "imagenet", ""], "argument DST"),
-    (["compare", ""], "argument RUN_DIR|JOB"),
+    (["compare", ""], "argument RUN_DIR|JOB|mlflow://EXPERIMENT"),
 ])
 def test_an_empty_name_or_path_is_refused_not_read_as_here_the_default_or_all(argv, option, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

@@ -1,6 +1,9 @@
 """`--track mlflow`: a run's parameters, metrics, tags and files in a real MLflow tracking server
 (tests/mlflow_server.py), read back through MLflow's own client; a stopped and resumed run is one
-MLflow run; a server that dies mid-run holds nothing up, and `speedrun track sync` fills the gap."""
+MLflow run; a server that dies mid-run holds nothing up, and `speedrun track sync` fills the gap.
+`--track wandb`: W&B offline (WANDB_MODE=offline), its run files read back with wandb's own reader
+(`wandb leet inspect --json`). An ablation: an MLflow parent run with its runs as children, and
+one W&B group."""
 import json
 import os
 import signal
@@ -8,6 +11,7 @@ import signal
 import pytest
 from cli_run import one_line_error, speedrun, speedrun_here, start, wait_for
 from mlflow_server import MLflowServer
+from wandb_files import wandb_env, wandb_runs, wandb_series
 
 from speedrun.errors import EXIT_RESUMABLE
 from speedrun.files import read_jsonl
@@ -17,9 +21,11 @@ TINY = ["train", "--recipe", "tiny", "--device", "cpu"]
 
 
 @pytest.mark.parametrize("args, line", [
-    (["--track", "neptune"], "bad --track 'neptune': give mlflow[=URI]"),
-    (["--track", "mlflow="], "bad --track 'mlflow=': give mlflow[=URI]"),
-    (["--track-checkpoints"], "--track-checkpoints uploads to a tracker: give --track mlflow[=URI] too"),
+    (["--track", "neptune"], "bad --track 'neptune': give mlflow[=URI] or wandb[=[ENTITY/]PROJECT]"),
+    (["--track", "mlflow="], "bad --track 'mlflow=': give mlflow[=URI] or wandb[=[ENTITY/]PROJECT]"),
+    (["--track-checkpoints"], "--track-checkpoints uploads to a tracker: give --track too"),
+    (["--track", "wandb", "--track-group", "it's"],
+     "bad --track-group \"it's\": give a name of 1-128 characters without quotes"),
 ])
 def test_bad_track_settings_are_one_line_and_exit_2(tmp_path, args, line):
     one_line_error(speedrun_here(*TINY, "--out", str(tmp_path / "r"), *args), line)
@@ -56,10 +62,12 @@ def series(server, run_id, key):
 
 
 @pytest.mark.slow
-def test_a_runs_parameters_metrics_tags_and_files_read_back_through_mlflow(mlflow_server, tmp_path):
+def test_a_runs_parameters_metrics_tags_and_files_read_back_through_mlflow_and_wandbs_reader(mlflow_server, tmp_path):
+    # One run, two trackers: MLflow's server, and W&B offline.
     out = tmp_path / "tracked"
     r = speedrun(*TINY, "--epochs", "2", "--log-every", "5", "--out", str(out),
-                 "--track", f"mlflow={mlflow_server.uri}", env=ONE_THREAD, timeout=600)
+                 "--track", f"mlflow={mlflow_server.uri}", "--track", "wandb=team/bench", env=wandb_env(tmp_path),
+                 timeout=600)
     assert r.returncode == 0, r.stderr
     run = the_run(mlflow_server, out)
     assert run.info.status == "FINISHED"
@@ -85,9 +93,25 @@ def test_a_runs_parameters_metrics_tags_and_files_read_back_through_mlflow(mlflo
     assert summary["total_s"] == results["total_s"] and summary["best/top1"] == results["best"]["top1"]
     assert summary["epochs_run"] == 2
     names = {a.path for a in client(mlflow_server).list_artifacts(run.info.run_id)}
-    assert {"accuracy.png", "results.json"} <= names and "checkpoint.pt" not in names
+    assert {"accuracy.png", "results.json", "metrics.jsonl"} <= names and "checkpoint.pt" not in names
     got = client(mlflow_server).download_artifacts(run.info.run_id, "results.json", str(tmp_path))
     assert json.loads(open(got).read()) == results
+
+    # W&B's offline run, read back with wandb's own reader: the same series, config and files.
+    state = json.loads((out / "trackers" / "wandb.json").read_text())
+    assert f"tracked: W&B offline run {state['run_id']} in {out / 'trackers' / 'wandb'}" in r.stdout
+    [(wb, config, history, exits)] = wandb_runs(out)
+    assert wb["run_id"] == state["run_id"] and wb["project"] == "bench" and wb["entity"] == "team"
+    assert wb["display_name"] == "tracked" and exits == [0]
+    recipe = {k: v for k, v in params.items() if k.startswith("recipe.")}  # strings in both (settings: W&B's types)
+    assert {k: config[k] for k in recipe} == recipe and config["speedrun.recipe"] == "tiny"
+    assert "recipe:tiny" in wb["tags"] and "world_size:1" in wb["tags"] and "provider:none" in wb["tags"]
+    assert wandb_series(history, "train/loss") == [(s["step"], s["loss"]) for s in steps]
+    for key in ("top1", "top5", "loss"):
+        assert wandb_series(history, f"val/{key}") == [(e["step"], e[key]) for e in evals]
+    assert history[results["steps"]]["total_s"] == results["total_s"]
+    files = {p.name for p in (out / "trackers" / "wandb").glob("offline-run-*/files/*")}
+    assert {"results.json", "metrics.jsonl", "accuracy.png"} <= files
 
 
 @pytest.mark.slow
@@ -111,10 +135,10 @@ def test_a_run_stopped_and_resumed_is_one_mlflow_run_with_an_unbroken_series(mlf
 
 
 @pytest.mark.slow
-def test_a_server_killed_mid_run_holds_nothing_up_and_track_sync_fills_the_gap(tmp_path):
-    out = tmp_path / "gap"
-    with MLflowServer(tmp_path / "mlflow") as server:
-        proc = start(*TINY, "--epochs", "2", "--log-every", "1", "--out", str(out), "--track", f"mlflow={server.uri}",
+def test_a_server_killed_mid_run_holds_nothing_up_and_track_sync_fills_the_gap(mlflow_server, tmp_path):
+    out, server = tmp_path / "gap", mlflow_server
+    try:
+        proc = start(*TINY, "--epochs", "1", "--log-every", "1", "--out", str(out), "--track", f"mlflow={server.uri}",
                      env=ONE_THREAD)
         wait_for(lambda: (out / "steps.jsonl").exists() and len(read_jsonl(out / "steps.jsonl")) >= 10, 300,
                  "10 steps")
@@ -136,6 +160,9 @@ def test_a_server_killed_mid_run_holds_nothing_up_and_track_sync_fills_the_gap(t
         evals = read_jsonl(out / "metrics.jsonl")
         assert series(server, run.info.run_id, "val/top1") == [(e["step"], e["top1"]) for e in evals]
         assert {a.path for a in client(server).list_artifacts(run.info.run_id)} >= {"accuracy.png", "results.json"}
+    finally:
+        if server.proc is None:  # the module's other tests use it
+            server.start()
 
 
 @pytest.mark.slow
@@ -158,3 +185,35 @@ def test_a_run_without_track_imports_nothing_of_mlflow():
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlflow', 'wandb')))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stderr
+
+
+@pytest.mark.slow
+def test_an_ablation_is_an_mlflow_parent_with_its_runs_as_children_and_one_wandb_group(mlflow_server, tmp_path):
+    out = tmp_path / "abl"
+    env = wandb_env(tmp_path, MLFLOW_EXPERIMENT_NAME="ablations", MLFLOW_TRACKING_URI=mlflow_server.uri)
+    r = speedrun("ablate", "tiny", "--only", "zero-init", "--epochs", "1", "--device", "cpu", "--out", str(out),
+                 "--track", "mlflow", "--track", "wandb", env=env, timeout=600)
+    assert r.returncode == 0, r.stderr
+    c = client(mlflow_server)
+    experiment = c.get_experiment_by_name("ablations").experiment_id
+    [parent] = c.search_runs([experiment], "tags.`speedrun.kind` = 'group' and tags.`speedrun.group` = 'abl'")
+    assert parent.info.run_name == "abl" and parent.info.status == "FINISHED"
+    children = c.search_runs([experiment], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    assert sorted(ch.info.run_name for ch in children) == ["full/seed0", "zero-init/seed0"]
+    assert sorted(ch.data.tags["speedrun.recipe"] for ch in children) == ["tiny", "tiny-no-zero-init"]
+    assert all(ch.info.status == "FINISHED" and ch.data.tags["speedrun.group"] == "abl" for ch in children)
+    for variant in ("full", "zero-init"):
+        [(run, _, history, _)] = wandb_runs(out / variant / "seed0")
+        assert run["run_group"] == "abl" and run["display_name"] == f"{variant}/seed0" and history
+    # compare reads the experiment's runs as it reads their folders: the same table.
+    from_mlflow, from_folders = (speedrun("compare", source, "--json", "--plot", str(tmp_path), env=env)
+                                 for source in ("mlflow://ablations", str(out)))
+    assert from_mlflow.returncode == 0 and from_folders.returncode == 0, from_mlflow.stderr + from_folders.stderr
+    mlflow_rows, folder_rows = (rows_by_run(r.stdout, prefix) for r, prefix in
+                                ((from_mlflow, "mlflow://ablations/"), (from_folders, f"{out}/")))
+    assert mlflow_rows == folder_rows and sorted(mlflow_rows) == ["full/seed0", "zero-init/seed0"]
+
+
+def rows_by_run(stdout, prefix):
+    """`compare --json`'s rows by their run's label, less `prefix`."""
+    return {row.pop("run").removeprefix(prefix): row for row in json.loads(stdout)}

@@ -17,7 +17,7 @@ import signal
 import statistics
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -165,16 +165,25 @@ def prepare(out: Path, plan: Plan) -> None:
                             "choose another --out") from None
 
 
-def train_argv(plan: Plan, variant: str, seed: int, resume: bool, python: str = sys.executable) -> list[str]:
-    """The `speedrun train` command line of one run (paths relative to the ablation directory)."""
-    argv = [python, "-m", "speedrun", "train", "--recipe", f"{variant}/recipe.py", "--seed", str(seed),
+def train_argv(plan: Plan, variant: str, seed: int, resume: bool, python: str = sys.executable,
+               env: Mapping[str, str] | None = None) -> list[str]:
+    """The `speedrun train` command line of one run (paths relative to the ablation directory),
+    under `env(1)` with `env`'s variables where given (the ablation's trackers: `track_env`)."""
+    argv = [*(["env", *(f"{k}={v}" for k, v in env.items())] if env else []),
+            python, "-m", "speedrun", "train", "--recipe", f"{variant}/recipe.py", "--seed", str(seed),
             "--out", f"{variant}/seed{seed}"]
     if plan.data:
         argv += ["--data", plan.data]
     return argv + list(plan.train_args) + (["--resume"] if resume else [])
 
 
-def run_local(out: Path, plan: Plan, say: Callable[[str], None] = print) -> None:
+def track_env(out: Path, track: Sequence[str] = ()) -> dict[str, str]:
+    """What every run of the ablation in `out` is given for its experiment trackers: its --track
+    values, where given, and the ablation as their group (an MLflow parent run, a W&B group)."""
+    return {**({"SPEEDRUN_TRACK": ",".join(track)} if track else {}), "SPEEDRUN_TRACK_GROUP": out.name}
+
+
+def run_local(out: Path, plan: Plan, say: Callable[[str], None] = print, env: Mapping[str, str] | None = None) -> None:
     """Every run the ablation lacks, one after another on this machine. A run that fails (a
     variant can diverge) is recorded as failed and the ablation goes on; bad input stops it, and
     Ctrl-C stops it with the interrupted run resumable."""
@@ -183,12 +192,13 @@ def run_local(out: Path, plan: Plan, say: Callable[[str], None] = print) -> None
         say(f"{len(plan.runs()) - len(todo)} of {len(plan.runs())} runs already done in {out}")
     restore_sigterm = stop_on_sigterm()  # `kill` stops the ablation as Ctrl-C does, run included
     try:
-        _run_each(out, plan, todo, say)
+        _run_each(out, plan, todo, say, env)
     finally:
         restore_sigterm()
 
 
-def _run_each(out: Path, plan: Plan, todo: list[tuple[str, int]], say: Callable[[str], None]) -> None:
+def _run_each(out: Path, plan: Plan, todo: list[tuple[str, int]], say: Callable[[str], None],
+              env: Mapping[str, str] | None) -> None:
     for i, (variant, seed) in enumerate(todo, 1):
         run_dir = out / variant / f"seed{seed}"
         resume = (run_dir / "checkpoint.pt").is_file()
@@ -196,7 +206,7 @@ def _run_each(out: Path, plan: Plan, todo: list[tuple[str, int]], say: Callable[
         # Its own session: a Ctrl-C reaches this process only, which stops the run with exactly one
         # SIGTERM (the trainer takes it as Ctrl-C; SIGINT may be ignored in a background job) and
         # waits, so the run writes its results and checkpoint undisturbed.
-        proc = subprocess.Popen(train_argv(plan, variant, seed, resume), cwd=out, stdout=subprocess.DEVNULL,
+        proc = subprocess.Popen(train_argv(plan, variant, seed, resume, env=env), cwd=out, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
         stopped = f"ablation stopped during {variant} seed {seed}; run the same command to continue"
         try:
@@ -214,7 +224,8 @@ def _run_each(out: Path, plan: Plan, todo: list[tuple[str, int]], say: Callable[
             say(f"  {variant} seed {seed} failed: {last}")
 
 
-def run_on_job(job, out: str, plan: Plan, say: Callable[[str], None] = print) -> None:
+def run_on_job(job, out: str, plan: Plan, say: Callable[[str], None] = print,
+               env: Mapping[str, str] | None = None) -> None:
     """Every run the ablation lacks, on the job's machines at once (`job.run_each`: each task runs
     its share one after another; on Slurm, a job array), in `out` under the job's run directory;
     returns when all have ended."""
@@ -225,7 +236,7 @@ def run_on_job(job, out: str, plan: Plan, say: Callable[[str], None] = print) ->
     for variant, seed in plan.runs():
         # In the shell: skip a finished run, resume one with a checkpoint, go on after a failure.
         d = f"{variant}/seed{seed}"
-        fresh, again = (shlex.join(train_argv(plan, variant, seed, r, job.python)) for r in (False, True))
+        fresh, again = (shlex.join(train_argv(plan, variant, seed, r, job.python, env)) for r in (False, True))
         commands.append(f"if grep -qE '\"status\": \"({'|'.join(FINISHED)})\"' {d}/results.json 2>/dev/null; "
                         f"then :; elif [ -f {d}/checkpoint.pt ]; then {again}; else {fresh}; fi")
     job.run_each(commands, name="ablate", cwd=remote, say=say)

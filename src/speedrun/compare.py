@@ -293,9 +293,12 @@ def _plot(plt, runs: Sequence[RunSummary], path: Path, by: str) -> Path:
 
 
 def find_runs(root: str | os.PathLike) -> list[Path]:
-    """Run directories at or under `root` (directories holding a results.json), sorted."""
+    """Run directories at or under `root` (directories holding a results.json), sorted; never one
+    inside another run's (its trackers' files: W&B keeps a copy of the run's results.json)."""
     root = Path(root)
-    return sorted(p.parent for p in root.rglob("results.json") if "abandoned-" not in p.parent.name)
+    found = sorted(p.parent for p in root.rglob("results.json") if "abandoned-" not in p.parent.name)
+    runs = set(found)
+    return [p for p in found if not any(a in runs for a in p.parents)]
 
 
 def fetch_run_files(job, remote_root: str, local_root: Path, per_task: bool, warn=print) -> None:

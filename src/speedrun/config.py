@@ -29,6 +29,7 @@ class TrainConfig:
     verify_index: bool = False  # check the image-folder index file by file, not by folder (data.index)
     log_every: int = 50  # steps between train-loss records
     track: tuple[TrackSpec, ...] = ()  # experiment trackers beside TensorBoard (speedrun.trackers)
+    track_group: str | None = None  # the run's group in them (an ablation, a job)
     track_checkpoints: bool = False  # also upload the final checkpoint to them
     checkpoint_every: int = 1  # epochs between checkpoints (0: never)
     checkpoint_minutes: float | None = None  # also a checkpoint mid-epoch when this many minutes passed

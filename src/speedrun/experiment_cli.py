@@ -14,6 +14,7 @@ from speedrun.files import to_json
 from speedrun.inputs import WORKERS, Bound, given, given_path
 from speedrun.recipe import EPOCHS
 from speedrun.recipes.fitting import recipe_for
+from speedrun.trackers import parse_tracks
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -23,10 +24,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="One table of the runs (recipe fields that differ, device, time to target, best and final "
         "top-1, images/s, and $ to target and total $ where runs know their machines' price), sorted by time "
         "(or $) to target, and a PNG overlaying their accuracy against wall time (or $ spent). "
-        "Each argument is a run directory, a directory holding runs (an ablation), or a job's name (its runs "
-        "are read from its hosts). Runs still going are shown as they are.",
+        "Each argument is a run directory, a directory holding runs (an ablation), a job's name (its runs "
+        "are read from its hosts), or mlflow://EXPERIMENT (the runs logged there with --track mlflow, at "
+        "$MLFLOW_TRACKING_URI). Runs still going are shown as they are.",
     )
-    p.add_argument("runs", type=given, nargs="+", metavar="RUN_DIR|JOB")
+    p.add_argument("runs", type=given, nargs="+", metavar="RUN_DIR|JOB|mlflow://EXPERIMENT")
     p.add_argument("--plot", type=given_path, default=Path("compare.png"), metavar="FILE",
                    help="where the accuracy plot goes (default: compare.png; one that cannot be written is skipped, "
                    "the table is printed all the same)")
@@ -59,6 +61,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--job", type=given, default=None, metavar="NAME", help="run on this job's hosts, in parallel")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="passed to every run")
     p.add_argument("--workers", type=WORKERS, default=None, metavar="N", help="passed to every run")
+    p.add_argument("--track", action="append", default=None, metavar="mlflow[=URI]|wandb[=[ENTITY/]PROJECT]",
+                   help="every run logs to this tracker, as train --track, grouped under the ablation's name "
+                   "(MLflow: children of one parent run; W&B: one group); repeatable")
     p.set_defaults(func=cmd_ablate)
 
 
@@ -101,7 +106,9 @@ def read_compare_args(args: list[str], note) -> tuple[list, list[str]]:
     for arg in args:
         path = Path(arg)
         try:
-            if path.is_dir():
+            if arg.startswith("mlflow://"):
+                runs += read_mlflow_runs(arg.removeprefix("mlflow://"), skipped)
+            elif path.is_dir():
                 found = [path] if (path / "results.json").is_file() else find_runs(path)
                 if not found:
                     raise SpeedrunError(f"{path} holds no run (no results.json at or under it)")
@@ -128,6 +135,28 @@ def read_compare_args(args: list[str], note) -> tuple[list, list[str]]:
     return runs, skipped
 
 
+def read_mlflow_runs(experiment: str, skipped: list[str]) -> list:
+    """`compare mlflow://EXPERIMENT`: the experiment's runs, read as run directories from their
+    results.json and metrics.jsonl artifacts; a line in `skipped` for each that cannot be."""
+    import tempfile
+
+    from speedrun.compare import read_run
+    from speedrun.trackers.mlflow import download_runs
+
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="speedrun-mlflow-") as into:
+        found, left_out = download_runs(experiment, Path(into))
+        skipped += left_out
+        for name, folder in found:
+            try:
+                runs.append(read_run(folder, label=f"mlflow://{experiment}/{name}", live=False))
+            except SpeedrunError as e:
+                skipped.append(str(e))
+    if not runs and not left_out:
+        raise SpeedrunError(f"mlflow://{experiment} holds no speedrun run")
+    return runs
+
+
 def cmd_ablate(args: argparse.Namespace) -> int:
     from speedrun import ablate
     from speedrun.compare import compare, fetch_run_files
@@ -147,6 +176,7 @@ def cmd_ablate(args: argparse.Namespace) -> int:
             raise SpeedrunError(f"--only {args.only!r} names no trick; give one or more of {', '.join(ablate.TRICKS)}")
     tricks = tuple(name for name in ablate.variants(recipe, only) if name != ablate.FULL)
     data = absolute_data(args.data)
+    parse_tracks(args.track or ())  # a bad --track is bad input here, not in every run
     train_args = [*(["--device", args.device] if args.device else []),
                   *(["--workers", str(args.workers)] if args.workers else [])]
     plan = ablate.Plan(recipe, tricks, args.seeds, data, tuple(train_args))
@@ -164,13 +194,13 @@ def cmd_ablate(args: argparse.Namespace) -> int:
         remote = str(args.out or ablate.default_out(recipe).name)
         out = speedrun_home() / "ablate" / args.job / Path(remote).name
         ablate.prepare(out, plan)  # the local copy, where the results come back
-        ablate.run_on_job(job, remote, plan, say)
+        ablate.run_on_job(job, remote, plan, say, ablate.track_env(out, args.track or ()))
         fetch_run_files(job, f"{job.run_dir}/{remote}", out, per_task=False, warn=say)
         live = False
     else:
         out = args.out or ablate.default_out(recipe)
         ablate.prepare(out, plan)
-        ablate.run_local(out, plan, say)
+        ablate.run_local(out, plan, say, ablate.track_env(out, args.track or ()))
         live = True
 
     runs = ablate.read_runs(out, plan, live)

@@ -171,6 +171,7 @@ class Tracker:
             self.trackers.tags({"speedrun.status": results["status"],
                                 "speedrun.checkpoint": results.get("last_checkpoint") or "none"})
             self.trackers.artifact("results.json")
+            self.trackers.artifact("metrics.jsonl")  # with results.json: what `compare mlflow://` reads
             if self.track_checkpoints and results.get("last_checkpoint"):
                 self.trackers.artifact("checkpoint.pt")
 
@@ -203,9 +204,16 @@ def open_run_trackers(cfg: TrainConfig, ctx: DistContext) -> Trackers:
     params.update({k: getattr(cfg, k) for k in SETTINGS}, world_size=ctx.world_size)
     tags = {"speedrun.recipe": cfg.recipe.name, "speedrun.device": device_name(ctx.device),
             "speedrun.world_size": str(ctx.world_size), "speedrun.host": platform.node(),
-            "speedrun.run_dir": str(cfg.out), "speedrun.version": __version__,
-            **({"speedrun.job": os.environ["SPEEDRUN_JOB"]} if os.environ.get("SPEEDRUN_JOB") else {})}
-    return open_trackers(tuple(specs.values()), cfg.out, cfg.out.name, params, tags)
+            # Set by a launch job's provider (local, ssh, aws, slurm); a run started by hand: none.
+            "speedrun.provider": os.environ.get("SPEEDRUN_PROVIDER", "none"),
+            "speedrun.run_dir": str(cfg.out.absolute()), "speedrun.version": __version__,
+            **({"speedrun.job": os.environ["SPEEDRUN_JOB"]} if os.environ.get("SPEEDRUN_JOB") else {}),
+            **({"speedrun.group": cfg.track_group} if cfg.track_group else {})}
+    # The tracker run's name: the run directory's; in a group, with the folder above it, as a
+    # group's runs share names there (an ablation's VARIANT/seed0, a job's JOB/run.3).
+    out = cfg.out.absolute()
+    name = f"{out.parent.name}/{out.name}" if cfg.track_group else out.name
+    return open_trackers(tuple(specs.values()), cfg.out, name, params, tags, cfg.track_group)
 
 
 def plot_accuracy(evals: list[dict[str, Any]], target: dict | None, path: Path) -> Path:

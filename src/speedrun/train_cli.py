@@ -19,7 +19,7 @@ from speedrun.spot import IMDS_NOTICE_URL, NOTICE_ENV
 from speedrun.recipe import BATCH_SIZE, EPOCHS, IMAGE_SIZE, MEMORY_FORMATS, PRECISIONS, Target
 from speedrun.recipes import BUILTIN, DEFAULT, FITTED
 from speedrun.recipes.fitting import recipe_for
-from speedrun.trackers import parse_tracks
+from speedrun.trackers import parse_group, parse_tracks
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -68,9 +68,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "auto: gpu on GPUs with hardware JPEG decoders (A100, H100, H200, B200), else pil")
     p.add_argument("--log-every", type=Bound(int, 1, 1_000_000), default=50, metavar="STEPS",
                    help="steps between train-loss records (default 50)")
-    p.add_argument("--track", action="append", default=None, metavar="mlflow[=URI]",
+    p.add_argument("--track", action="append", default=None, metavar="mlflow[=URI]|wandb[=[ENTITY/]PROJECT]",
                    help="also log to an experiment tracker: parameters, metrics, tags, results.json and accuracy.png "
-                   "(repeatable; default $SPEEDRUN_TRACK; MLflow's URI defaults to $MLFLOW_TRACKING_URI)")
+                   "(repeatable; default $SPEEDRUN_TRACK; MLflow's URI defaults to $MLFLOW_TRACKING_URI, W&B's "
+                   "project to $WANDB_PROJECT, else speedrun)")
+    p.add_argument("--track-group", default=None, metavar="NAME",
+                   help="with --track: the run's group (MLflow: a parent run of that name; W&B: a group); default "
+                   "$SPEEDRUN_TRACK_GROUP, else the launch job's name")
     p.add_argument("--track-checkpoints", action="store_true",
                    help="with --track: upload the final checkpoint too (its path is always a tag)")
     p.add_argument("--checkpoint-every", action="append", default=None, metavar="EPOCHS|MINUTESm",
@@ -166,7 +170,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     checkpoint_every, checkpoint_minutes = parse_checkpoint_every(args.checkpoint_every or ["1"])
     track = parse_tracks(args.track)
     if args.track_checkpoints and not track:
-        raise SpeedrunError("--track-checkpoints uploads to a tracker: give --track mlflow[=URI] too")
+        raise SpeedrunError("--track-checkpoints uploads to a tracker: give --track too")
+    track_group = parse_group(args.track_group)
     if args.spot_notice_url and not args.spot_notice_url.startswith(("http://", "https://")):
         raise SpeedrunError(f"bad --spot-notice-url {args.spot_notice_url!r}: "
                             f"give an http:// URL, e.g. {IMDS_NOTICE_URL}")
@@ -196,6 +201,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         verify_index=args.verify_index,
         log_every=args.log_every,
         track=track,
+        track_group=track_group,
         track_checkpoints=args.track_checkpoints,
         checkpoint_every=checkpoint_every,
         checkpoint_minutes=checkpoint_minutes,

@@ -17,6 +17,7 @@ import pytest
 from speedrun.cli import main
 from speedrun.cluster import open_job
 from speedrun.recipes import load_recipe
+from wandb_files import wandb_env, wandb_runs
 
 HERE = Path(__file__).parent
 TRAIN = ["-m", "speedrun", "train", "--recipe", "tiny", "--device", "cpu"]
@@ -83,13 +84,20 @@ def speedrun(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 def test_two_hosts_train_from_the_cli(netns, shared_dir, job_name, capsys):
     ssh = ["--hosts", ",".join(netns.specs), "--identity", str(netns.client_key),
            "--known-hosts", str(netns.known_hosts), "--run-root", str(shared_dir / "cli-runs")]
-    r = speedrun("launch", job_name, *ssh, "--env", "OMP_NUM_THREADS=1", "--price-per-hour", "1.25", "--follow",
-                 "--", *TRAIN, "--out", "{run_dir}")
+    # Tracked by W&B, offline: its files stay in the run directory.
+    offline = [f"{k}={v}" for k, v in wandb_env(shared_dir).items() if k.startswith("WANDB_")]
+    r = speedrun("launch", job_name, *ssh, "--env", "OMP_NUM_THREADS=1", *(f"--env={e}" for e in offline),
+                 "--price-per-hour", "1.25", "--follow", "--", *TRAIN, "--out", "{run_dir}", "--track", "wandb")
     assert r.returncode == 0, r.stderr
     run_dir = r.stdout.split("run dir ", 1)[1].split(":", 1)[0]
     assert run_dir == str(shared_dir / "cli-runs" / job_name / "run.01")
     assert re.search(r"^\[0\] " + last_epoch(), r.stdout, re.M)  # --follow printed task 0's log
     check_trained(run_dir, 2)
+    # One W&B run, rank 0's, in the job's group, tagged with the job and its provider.
+    [(run, config, history, exits)] = wandb_runs(Path(run_dir))
+    assert run["run_group"] == job_name and run["display_name"] == f"{job_name}/run.01" and exits == [0]
+    assert config["speedrun.provider"] == "ssh" and config["speedrun.job"] == job_name
+    assert config["speedrun.world_size"] == "2" and history
     # Owned machines at the price the user gave: what the run cost is in its results.
     results = json.loads(Path(run_dir, "results.json").read_text())
     assert results["price"] == {"machine_type": "ssh host", "market": "given", "machines": 2, "usd_per_hour": 1.25,

@@ -382,9 +382,9 @@ def test_tune_on_a_slurm_job_runs_each_trial_as_a_one_node_slurm_job_and_reports
 def test_a_command_started_alone_on_a_slurm_job_is_running_then_killed_with_the_job(in_cluster, tmp_path):
     job = make_job("alone", 2, provider="slurm", run_root=str(tmp_path))
     assert job.command_state(1, "nap") == "none"
-    job.start_command(1, "echo task $SPEEDRUN_TASK of $SPEEDRUN_NUM_TASKS; echo $MINE; exec sleep 300", name="nap",
-                      cwd=str(tmp_path), env={"MINE": "given"})
-    wait_for(lambda: job.command_output(1, "nap").startswith("task 1 of 2\ngiven"), 60, "the command to start")
+    job.start_command(1, "echo task $SPEEDRUN_TASK of $SPEEDRUN_NUM_TASKS on $SPEEDRUN_PROVIDER; echo $MINE; "
+                      "exec sleep 300", name="nap", cwd=str(tmp_path), env={"MINE": "given"})
+    wait_for(lambda: job.command_output(1, "nap").startswith("task 1 of 2 on slurm\ngiven"), 60, "the command to start")
     assert job.command_state(1, "nap") == "running"
     assert job.kill() == []  # speedrun kill: the job's commands too
     wait_for(lambda: job.command_state(1, "nap") != "running", 60, "the command to end")

@@ -181,10 +181,11 @@ class Job(ABC):
                join_timeout_s: float = JOIN_TIMEOUT_S) -> list[Any]:
         """Start one torchrun per task with `command` (shell text after torchrun's options, or an argv
         quoted for you), `nproc_per_node` processes each, under the name `name`, the environment
-        holding SPEEDRUN_JOB, SPEEDRUN_RUN_DIR, SPEEDRUN_TASK, SPEEDRUN_NUM_TASKS, the provider's
-        variables, the price (SPEEDRUN_PRICE) and `env`; each torchrun waits join_timeout_s seconds
-        at most for the others. A job already running `name` is reconnected to (nothing started);
-        restart=True starts it again once it has ended. Records the launch in `launched`."""
+        holding SPEEDRUN_JOB, SPEEDRUN_RUN_DIR, SPEEDRUN_TASK, SPEEDRUN_NUM_TASKS, SPEEDRUN_PROVIDER
+        (the provider's kind), the provider's variables, the price (SPEEDRUN_PRICE) and `env`; each
+        torchrun waits join_timeout_s seconds at most for the others. A job already running `name`
+        is reconnected to (nothing started); restart=True starts it again once it has ended.
+        Records the launch in `launched`."""
 
     @abstractmethod
     def devices_per_task(self) -> int:

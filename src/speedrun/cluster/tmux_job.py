@@ -124,9 +124,9 @@ class TmuxJob(Job):
 
         COMMAND is what follows torchrun's options: `train.py --lr 0.1` or `-m speedrun train ...`
         (shell text; a list is quoted for you). The environment also gets SPEEDRUN_JOB,
-        SPEEDRUN_RUN_DIR, SPEEDRUN_TASK and SPEEDRUN_NUM_TASKS, the provider's variables (spot
-        jobs on AWS: SPEEDRUN_SPOT_NOTICE_URL), the machines' price when known (SPEEDRUN_PRICE,
-        see price()), plus `env`.
+        SPEEDRUN_RUN_DIR, SPEEDRUN_TASK, SPEEDRUN_NUM_TASKS, SPEEDRUN_PROVIDER (the provider's
+        kind), the provider's variables (spot jobs on AWS: SPEEDRUN_SPOT_NOTICE_URL), the machines'
+        price when known (SPEEDRUN_PRICE, see price()), plus `env`.
 
         If the job already runs a command of this name, nothing is started: the running commands are
         returned (reconnecting); restart=True starts it again once those have ended (a recovery).
@@ -163,7 +163,8 @@ class TmuxJob(Job):
                         f"--nproc-per-node={nproc_per_node} --master-addr={master} --master-port={port} "
                         f"--rdzv-conf=timeout={math.ceil(join_timeout_s)} {text}")
             variables = {"SPEEDRUN_JOB": self.name, "SPEEDRUN_RUN_DIR": self.run_dir, "SPEEDRUN_TASK": str(t.index),
-                         "SPEEDRUN_NUM_TASKS": str(n), **self.provider.environment(), **price}
+                         "SPEEDRUN_NUM_TASKS": str(n), "SPEEDRUN_PROVIDER": self.provider.kind,
+                         **self.provider.environment(), **price}
             if n > 1:
                 # gloo and NCCL bind to the address the host name resolves to, which may be 127.0.0.1
                 # or an interface the other hosts cannot reach: name the one that reaches task 0.

@@ -1,9 +1,11 @@
 """Experiment trackers beside TensorBoard: where a run's parameters, metrics and files also go.
 
-    speedrun train --track mlflow[=URI]     (repeatable; or SPEEDRUN_TRACK=mlflow=http://host:5000)
+    speedrun train --track mlflow[=URI] --track wandb[=[ENTITY/]PROJECT] [--track-group NAME]
+    (each repeatable; or SPEEDRUN_TRACK=mlflow=http://host:5000,wandb and SPEEDRUN_TRACK_GROUP)
 
 `open_trackers` makes each asked-for tracker's run (or finds it again on a resume) before the
-first step: a tracker that does not answer then is one line, exit 2. From then on `Trackers` takes
+first step, in its group where the run has one (an ablation, a job: MLflow's parent run, W&B's
+group): a tracker that does not take it then is one line, exit 2. From then on `Trackers` takes
 the loop's records and each tracker's Outbox sends them in the background (speedrun.trackers.outbox):
 a tracker that stops answering mid-run never stops the run, and what it missed is sent at the
 next start or by `speedrun track sync RUN` (`sync`). Nothing of a tracker's library is imported
@@ -19,25 +21,27 @@ from pathlib import Path
 from typing import Any
 
 from speedrun.errors import EXIT_FAILED, SpeedrunError
-from speedrun.trackers.outbox import Outbox, one_line
+from speedrun.trackers.outbox import Backend, Outbox, one_line
 
-KINDS = ("mlflow",)
+KINDS = {"mlflow": "mlflow[=URI]", "wandb": "wandb[=[ENTITY/]PROJECT]"}  # each kind, as --track takes it
 ENV = "SPEEDRUN_TRACK"  # comma-separated, as --track takes them
+GROUP_ENV = "SPEEDRUN_TRACK_GROUP"
 
 
 @dataclass(frozen=True)
 class TrackSpec:
-    """One --track value: a tracker kind and where it is (None: the tracker's own default)."""
+    """One --track value: a tracker kind and where in it (MLflow: the tracking URI; W&B:
+    [ENTITY/]PROJECT); None: the tracker's own default (MLFLOW_TRACKING_URI, WANDB_PROJECT...)."""
 
     kind: str
-    uri: str | None = None
+    where: str | None = None
 
     @classmethod
     def parse(cls, text: str) -> TrackSpec:
-        kind, sep, uri = text.strip().partition("=")
-        if kind not in KINDS or (sep and not uri):
-            raise SpeedrunError(f"bad --track {text!r}: give " + " or ".join(f"{k}[=URI]" for k in KINDS))
-        return cls(kind, uri or None)
+        kind, sep, where = text.strip().partition("=")
+        if kind not in KINDS or (sep and not where):
+            raise SpeedrunError(f"bad --track {text!r}: give " + " or ".join(KINDS.values()))
+        return cls(kind, where or None)
 
 
 def parse_tracks(values: Sequence[str] | None) -> tuple[TrackSpec, ...]:
@@ -47,13 +51,22 @@ def parse_tracks(values: Sequence[str] | None) -> tuple[TrackSpec, ...]:
     return tuple(specs.values())
 
 
+def parse_group(value: str | None) -> str | None:
+    """--track-group's value, else SPEEDRUN_TRACK_GROUP's, else the launch job's name
+    (SPEEDRUN_JOB); None outside any. One line, exit 2, for a name no tracker can take."""
+    name = value or os.environ.get(GROUP_ENV) or os.environ.get("SPEEDRUN_JOB") or None
+    if name is not None and (not name.strip() or len(name) > 128 or any(c in name for c in "'\"\\\n")):
+        raise SpeedrunError(f"bad --track-group {name!r}: give a name of 1-128 characters without quotes")
+    return name
+
+
 def saved_tracks(run_dir: Path) -> tuple[TrackSpec, ...]:
     """The trackers a run directory's earlier starts logged to (a resume goes on with them)."""
     from speedrun.trackers.outbox import read_state
 
     folder = Path(run_dir) / "trackers"
     states = [read_state(p) for p in sorted(folder.glob("*.json"))] if folder.is_dir() else []
-    return tuple(TrackSpec(s["kind"], s.get("uri")) for s in states if s.get("kind") in KINDS)
+    return tuple(TrackSpec(s["kind"], s.get("where")) for s in states if s.get("kind") in KINDS)
 
 
 class Trackers:
@@ -88,23 +101,24 @@ class Trackers:
         for box, backend in self._boxes:
             left = box.close()
             if left:
-                lines.append(f"{left} record(s) for {backend.where()} not sent ({box.last_error or 'no answer yet'}): "
-                             f"kept in {box.log}; `speedrun track sync {box.dir.parent}` sends them")
+                why = box.last_error or "no answer yet"
+                lines.append(f"{left} record(s) for {backend.describe()} not sent ({why}): kept in {box.log}; "
+                             f"`speedrun track sync {box.dir.parent}` sends them")
             else:
-                lines.append(f"tracked: {backend.where()}")
+                lines.append(f"tracked: {backend.describe()}")
         return lines
 
 
 def open_trackers(specs: Sequence[TrackSpec], run_dir: Path, run_name: str, params: dict[str, Any],
-                  tags: dict[str, str], parent: str | None = None) -> Trackers:
-    """Each tracker's run for `run_dir`, made with `params` and `tags` (or found again: a resumed
-    run keeps its tracker run), its sender started and sending what an earlier start left."""
+                  tags: dict[str, str], group: str | None = None) -> Trackers:
+    """Each tracker's run for `run_dir`, made with `params` and `tags` in `group` (or found again:
+    a resumed run keeps its tracker run), its sender started and sending what an earlier start left."""
     boxes = []
     for spec in specs:
         box = Outbox(run_dir, spec.kind)
-        backend = _backend(spec.kind, spec.uri, run_dir, box)
+        backend = _backend(spec.kind, spec.where, run_dir, box)
         fresh = backend.run_id is None
-        backend.open(run_name, None, parent)
+        backend.open(run_name, group)
         if fresh:
             box.put({"kind": "start", "params": params, "tags": tags})
         box.start(backend)
@@ -112,11 +126,16 @@ def open_trackers(specs: Sequence[TrackSpec], run_dir: Path, run_name: str, para
     return Trackers(boxes)
 
 
-def _backend(kind: str, uri: str | None, run_dir: Path, box: Outbox):
+def _backend(kind: str, where: str | None, run_dir: Path, box: Outbox) -> Backend:
+    # Imported here: a run imports only the trackers it is asked for, and their libraries with them.
     if kind == "mlflow":
         from speedrun.trackers.mlflow import MLflowBackend
 
-        return MLflowBackend(uri, run_dir, box)
+        return MLflowBackend(where, run_dir, box)
+    if kind == "wandb":
+        from speedrun.trackers.wandb import WandbBackend
+
+        return WandbBackend(where, run_dir, box)
     raise SpeedrunError(f"unknown tracker {kind!r}")
 
 
@@ -133,10 +152,11 @@ def sync(run_dir: Path) -> list[str]:
         backend = _backend(state.stem, None, run_dir, box)
         try:
             sent = box.send_pending(backend)
+            backend.close()
         except Exception as e:
-            raise TrackerUnreachable(f"{backend.where()}: {one_line(e)}; {box.pending()} record(s) still "
+            raise TrackerUnreachable(f"{backend.describe()}: {one_line(e)}; {box.pending()} record(s) still "
                                      f"kept in {box.log}") from None
-        lines.append(f"{backend.where()}: {sent} record(s) sent, none left")
+        lines.append(f"{backend.describe()}: {sent} record(s) sent, none left")
     return lines
 
 

@@ -3,14 +3,16 @@
 Each tracker of a run (`--track mlflow`, ...) has two files in `RUN/trackers/`:
 
     NAME.jsonl   every record for it, in order, one JSON line each (its `seq` counts from 1)
-    NAME.json    where it goes (the tracker's own run id, its URI) and how many records it took
+    NAME.json    where it goes (the tracker's own run id, `where`: its URI or project) and how
+                 many records it took (`sent`)
 
 The training thread only appends a line; a thread of the Outbox sends what the tracker has not
 taken yet, in order, in batches, and moves `sent` on after each batch the tracker accepted. A
 tracker that stops answering never holds the run up: the lines wait, and are sent when it
 answers again, at the run's next start (a resume) or by `speedrun track sync RUN`. A batch that
-failed after the tracker stored it is sent again: metric points are keyed by step and time, so
-the repeat lands on the same point.
+failed after the tracker stored it is sent again: MLflow keeps one copy of a metric point logged
+twice (the same key, step, time and value), and a parameter logged again with its value is no
+change.
 """
 from __future__ import annotations
 
@@ -29,13 +31,19 @@ BATCH = 500  # records per call at most
 
 
 class Backend(Protocol):
-    """One tracker (MLflow, W&B): takes records in order, raises OSError-like errors when it cannot."""
+    """One tracker's run (MLflow, W&B): made or found again by `open`, then takes records in order
+    (`send` raises when the tracker cannot take them); `close` ends what `send` left open."""
 
     name: str
+    run_id: str | None
+
+    def open(self, run_name: str, group: str | None) -> None: ...
 
     def send(self, records: list[dict[str, Any]]) -> None: ...
 
-    def where(self) -> str: ...
+    def close(self) -> None: ...
+
+    def describe(self) -> str: ...
 
 
 class Outbox:

@@ -81,6 +81,7 @@ def node_environment(*, job: str, nodes: int, run_dir: str) -> str:
     export GLOO_SOCKET_IFNAME="$dev" NCCL_SOCKET_IFNAME="$dev"
 fi
 export SPEEDRUN_JOB={q(job)} SPEEDRUN_RUN_DIR={q(run_dir)} SPEEDRUN_TASK="$SLURM_NODEID" SPEEDRUN_NUM_TASKS={nodes}
+export SPEEDRUN_PROVIDER=slurm
 export PYTHONUNBUFFERED=1
 """
 
@@ -288,6 +289,7 @@ def command_script(*, job: str, name: str, task: int, nodes: int, run_dir: str, 
     return f"""#!/bin/bash
 {header}# Written by speedrun for job {job}: {name}, one command on one node, as task {task}.
 export SPEEDRUN_JOB={q(job)} SPEEDRUN_RUN_DIR={q(run_dir)} SPEEDRUN_TASK={task} SPEEDRUN_NUM_TASKS={nodes}
+export SPEEDRUN_PROVIDER=slurm
 export PYTHONUNBUFFERED=1
 {exports(env)}echo "${{SLURMD_NODENAME:-$(hostname)}}" > {q(folder)}/node
 # scancel signals every process of the job: the command acts on it (a run stops at a step) and this
