@@ -32,6 +32,17 @@ def test_bad_track_settings_are_one_line_and_exit_2(tmp_path, args, line):
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.parametrize("track, line", [
+    ('["neptune"]', "bad --track 'neptune': give mlflow[=URI] or wandb[=[ENTITY/]PROJECT]"),
+    ("3", "`track` must be a list of --track values such as"),
+])
+def test_a_recipe_files_track_is_read_and_refused_like_the_option(tmp_path, track, line):
+    recipe = tmp_path / "mine.py"
+    recipe.write_text(f"from speedrun.recipes import BUILTIN\nrecipe = BUILTIN['tiny']\ntrack = {track}\n")
+    one_line_error(speedrun_here("train", "--recipe", str(recipe), "--out", str(tmp_path / "r")), line)
+    assert not (tmp_path / "r").exists()
+
+
 def test_track_sync_of_a_run_without_trackers_is_one_line_and_exit_2(tmp_path):
     one_line_error(speedrun_here("track", "sync", str(tmp_path)), "it ran without --track")
 
@@ -100,6 +111,7 @@ def test_a_runs_parameters_metrics_tags_and_files_read_back_through_mlflow_and_w
     # W&B's offline run, read back with wandb's own reader: the same series, config and files.
     state = json.loads((out / "trackers" / "wandb.json").read_text())
     assert f"tracked: W&B offline run {state['run_id']} in {out / 'trackers' / 'wandb'}" in r.stdout
+    assert "wandb:" not in r.stdout + r.stderr  # wandb's own lines stay out of the run's
     [(wb, config, history, exits)] = wandb_runs(out)
     assert wb["run_id"] == state["run_id"] and wb["project"] == "bench" and wb["entity"] == "team"
     assert wb["display_name"] == "tracked" and exits == [0]
@@ -115,31 +127,41 @@ def test_a_runs_parameters_metrics_tags_and_files_read_back_through_mlflow_and_w
 
 
 @pytest.mark.slow
-def test_a_run_stopped_and_resumed_is_one_mlflow_run_with_an_unbroken_series(mlflow_server, tmp_path):
-    out = tmp_path / "stopped"
+def test_a_run_stopped_and_resumed_is_one_tracker_run_with_an_unbroken_series(mlflow_server, tmp_path):
+    out, env = tmp_path / "stopped", wandb_env(tmp_path)
     args = [*TINY, "--epochs", "2", "--log-every", "1", "--out", str(out)]
-    proc = start(*args, "--track", f"mlflow={mlflow_server.uri}", env=ONE_THREAD)
+    proc = start(*args, "--track", f"mlflow={mlflow_server.uri}", "--track", "wandb", env=env)
     wait_for(lambda: (out / "steps.jsonl").exists() and len(read_jsonl(out / "steps.jsonl")) >= 20, 300, "20 steps")
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == EXIT_RESUMABLE, err
     assert the_run(mlflow_server, out).info.status == "KILLED"
-    # The resume needs no --track: the run directory knows its tracker run.
-    r = speedrun(*args, "--resume", env=ONE_THREAD, timeout=600)
+    # The resume needs no --track: the run directory knows its tracker runs.
+    r = speedrun(*args, "--resume", env=env, timeout=600)
     assert r.returncode == 0, r.stderr
     run = the_run(mlflow_server, out)
     assert run.info.status == "FINISHED"
     steps = read_jsonl(out / "steps.jsonl")
     assert [s["step"] for s in steps] == list(range(1, len(steps) + 1))
     assert series(mlflow_server, run.info.run_id, "train/loss") == [(s["step"], s["loss"]) for s in steps]
+    # W&B offline: one file per start, both of the one run (`wandb sync` makes them one), the
+    # first ended as stopped (75), the two histories the run's series without a gap or a repeat.
+    (first, _, before, stopped), (second, _, after, finished) = wandb_runs(out)
+    assert first["run_id"] == second["run_id"] and stopped == [EXIT_RESUMABLE] and finished == [0]
+    assert wandb_series(before, "train/loss") + wandb_series(after, "train/loss") == \
+        [(s["step"], s["loss"]) for s in steps]
 
 
 @pytest.mark.slow
 def test_a_server_killed_mid_run_holds_nothing_up_and_track_sync_fills_the_gap(mlflow_server, tmp_path):
     out, server = tmp_path / "gap", mlflow_server
+    # The tracker named by the recipe file, not by --track.
+    recipe = tmp_path / "tracked.py"
+    recipe.write_text(f"from speedrun.recipes import BUILTIN\nrecipe = BUILTIN['tiny']\n"
+                      f"track = ['mlflow={server.uri}']\n")
     try:
-        proc = start(*TINY, "--epochs", "1", "--log-every", "1", "--out", str(out), "--track", f"mlflow={server.uri}",
-                     env=ONE_THREAD)
+        proc = start("train", "--recipe", str(recipe), "--device", "cpu", "--epochs", "1", "--log-every", "1",
+                     "--out", str(out), env=ONE_THREAD)
         wait_for(lambda: (out / "steps.jsonl").exists() and len(read_jsonl(out / "steps.jsonl")) >= 10, 300,
                  "10 steps")
         server.kill()
@@ -166,13 +188,18 @@ def test_a_server_killed_mid_run_holds_nothing_up_and_track_sync_fills_the_gap(m
 
 
 @pytest.mark.slow
-def test_a_tracker_that_does_not_answer_at_the_start_is_one_line_exit_2_before_any_step(tmp_path):
+@pytest.mark.parametrize("kind", ["mlflow", "wandb"])
+def test_a_tracker_that_does_not_take_the_run_at_the_start_is_one_line_exit_2_before_any_step(tmp_path, kind):
     from postgres_server import free_port
 
-    out = tmp_path / "r"
-    r = speedrun(*TINY, "--out", str(out), "--track", f"mlflow=http://127.0.0.1:{free_port()}", env=ONE_THREAD,
-                 timeout=300)
-    one_line_error(r, "--track mlflow: the tracking server at http://127.0.0.1:", "did not take the run")
+    out, nobody = tmp_path / "r", f"http://127.0.0.1:{free_port()}"
+    if kind == "mlflow":  # no server there
+        r = speedrun(*TINY, "--out", str(out), "--track", f"mlflow={nobody}", env=ONE_THREAD, timeout=300)
+        one_line_error(r, f"--track mlflow: the tracking server at {nobody} did not take the run")
+    else:  # W&B online without an API key (and its server, were it asked, on loopback)
+        env = wandb_env(tmp_path, WANDB_MODE="online", WANDB_BASE_URL=nobody, HOME=str(tmp_path))
+        r = speedrun(*TINY, "--out", str(out), "--track", "wandb", env=env, timeout=300)
+        one_line_error(r, "--track wandb: W&B did not take the run (project speedrun): UsageError: No API key")
     assert not (out / "steps.jsonl").exists()
 
 

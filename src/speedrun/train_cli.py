@@ -17,7 +17,7 @@ from speedrun.local_launch import launch_local_processes, process_start_time, st
 from speedrun.inputs import PROCESSES, SEED, WORKERS, Bound, given, given_path
 from speedrun.spot import IMDS_NOTICE_URL, NOTICE_ENV
 from speedrun.recipe import BATCH_SIZE, EPOCHS, IMAGE_SIZE, MEMORY_FORMATS, PRECISIONS, Target
-from speedrun.recipes import BUILTIN, DEFAULT, FITTED
+from speedrun.recipes import BUILTIN, DEFAULT, FITTED, recipe_file_tracks
 from speedrun.recipes.fitting import recipe_for
 from speedrun.trackers import parse_group, parse_tracks
 
@@ -168,7 +168,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         recipe = dataclasses.replace(recipe, target=target)
     recipe.validate()
     checkpoint_every, checkpoint_minutes = parse_checkpoint_every(args.checkpoint_every or ["1"])
-    track = parse_tracks(args.track)
+    track = parse_tracks(args.track, recipe_file_tracks(args.recipe or DEFAULT))
     if args.track_checkpoints and not track:
         raise SpeedrunError("--track-checkpoints uploads to a tracker: give --track too")
     track_group = parse_group(args.track_group)

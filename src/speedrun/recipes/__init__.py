@@ -40,6 +40,21 @@ def load_recipe(name_or_path: str) -> Recipe:
     return recipe.validate()
 
 
+def recipe_file_tracks(name_or_path: str) -> tuple[str, ...]:
+    """The `track` a recipe file may define beside `recipe`: --track values (`track = ["mlflow=URI",
+    "wandb"]`) for a run given no --track and no SPEEDRUN_TRACK. () for a built-in recipe or a file
+    without one; RecipeError for one that is not a string or a list of strings."""
+    path = Path(name_or_path)
+    if name_or_path in BUILTIN or path.suffix != ".py" or not path.is_file():
+        return ()
+    track = getattr(run_user_file(path, "recipe", RecipeError), "track", ())
+    track = (track,) if isinstance(track, str) else track
+    if not isinstance(track, (list, tuple)) or not all(isinstance(t, str) for t in track):
+        raise RecipeError([f"recipe file {str(path)!r}: `track` must be a list of --track values "
+                           f"such as [\"mlflow=http://host:5000\", \"wandb\"], not {track!r}"])
+    return tuple(track)
+
+
 def run_user_file(path: Path, what: str, error: type[Exception]):
     """Run the user's Python file at `path` (a `what`: "recipe", "search space") and return it as a
     module. Whatever goes wrong in it is one `error` naming the file: a speedrun value it made that

@@ -44,9 +44,10 @@ class TrackSpec:
         return cls(kind, where or None)
 
 
-def parse_tracks(values: Sequence[str] | None) -> tuple[TrackSpec, ...]:
-    """--track values (or, when none is given, SPEEDRUN_TRACK's) as specs, one per kind."""
-    texts = list(values or []) or [t for t in os.environ.get(ENV, "").split(",") if t.strip()]
+def parse_tracks(values: Sequence[str] | None, fallback: Sequence[str] = ()) -> tuple[TrackSpec, ...]:
+    """--track values (or, when none is given, SPEEDRUN_TRACK's, else `fallback`'s: a recipe
+    file's `track`) as specs, one per kind."""
+    texts = list(values or []) or [t for t in os.environ.get(ENV, "").split(",") if t.strip()] or list(fallback)
     specs = {s.kind: s for s in (TrackSpec.parse(t) for t in texts)}
     return tuple(specs.values())
 

@@ -27,6 +27,9 @@ MAX_TAG = 64  # W&B's longest tag
 
 def import_wandb():
     """The wandb module, or one line saying how to install it."""
+    # wandb's own lines (its warnings among them) would come from the sender thread amid the run's;
+    # the run says where its W&B run is itself. WANDB_SILENT=false brings them back.
+    os.environ.setdefault("WANDB_SILENT", "true")
     try:
         import wandb
     except ImportError:
@@ -65,15 +68,14 @@ class WandbBackend:
                                 f"{one_line(e)}") from None
         self.run_id = self.run.id
         self.outbox.save_state(kind="wandb", where=self.where, run_id=self.run_id, run_name=run_name, group=group,
-                               url=self.run.url)
+                               url=None if self.run.offline else self.run.url)
 
     def _init(self, run_id: str | None, run_name: str, group: str | None) -> None:
         entity, _, project = self.where.rpartition("/")
-        # console "off": the trainer's console is its own, never wrapped; silent: the run prints
-        # where it is itself (Trackers.close).
+        # console "off": the trainer's console is its own, never wrapped.
         self.run = self.wandb.init(project=project, entity=entity or None, id=run_id, name=run_name, group=group,
                                    resume="allow", dir=str(self.outbox.dir),
-                                   settings=self.wandb.Settings(console="off", silent=True))
+                                   settings=self.wandb.Settings(console="off"))
 
     def send(self, records: list[dict[str, Any]]) -> None:
         if self.run is None:  # `track sync`, or a later start's leftovers: the same run again
