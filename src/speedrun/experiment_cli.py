@@ -14,6 +14,7 @@ from speedrun.files import to_json
 from speedrun.inputs import WORKERS, Bound, given, given_path
 from speedrun.recipe import EPOCHS
 from speedrun.recipes.fitting import recipe_for
+from speedrun.trackers import METAVAR as TRACK_METAVAR
 from speedrun.trackers import parse_tracks
 
 
@@ -61,7 +62,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--job", type=given, default=None, metavar="NAME", help="run on this job's hosts, in parallel")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="passed to every run")
     p.add_argument("--workers", type=WORKERS, default=None, metavar="N", help="passed to every run")
-    p.add_argument("--track", action="append", default=None, metavar="mlflow[=URI]|wandb[=[ENTITY/]PROJECT]",
+    p.add_argument("--track", action="append", default=None, metavar=TRACK_METAVAR,
                    help="every run logs to this tracker, as train --track, grouped under the ablation's name "
                    "(MLflow: children of one parent run; W&B: one group); repeatable")
     p.set_defaults(func=cmd_ablate)

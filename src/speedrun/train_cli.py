@@ -19,6 +19,7 @@ from speedrun.spot import IMDS_NOTICE_URL, NOTICE_ENV
 from speedrun.recipe import BATCH_SIZE, EPOCHS, IMAGE_SIZE, MEMORY_FORMATS, PRECISIONS, Target
 from speedrun.recipes import BUILTIN, DEFAULT, FITTED, recipe_file_tracks
 from speedrun.recipes.fitting import recipe_for
+from speedrun.trackers import METAVAR as TRACK_METAVAR
 from speedrun.trackers import parse_group, parse_tracks
 
 
@@ -68,10 +69,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "auto: gpu on GPUs with hardware JPEG decoders (A100, H100, H200, B200), else pil")
     p.add_argument("--log-every", type=Bound(int, 1, 1_000_000), default=50, metavar="STEPS",
                    help="steps between train-loss records (default 50)")
-    p.add_argument("--track", action="append", default=None, metavar="mlflow[=URI]|wandb[=[ENTITY/]PROJECT]",
+    p.add_argument("--track", action="append", default=None, metavar=TRACK_METAVAR,
                    help="also log to an experiment tracker: parameters, metrics, tags, results.json and accuracy.png "
-                   "(repeatable; default $SPEEDRUN_TRACK; MLflow's URI defaults to $MLFLOW_TRACKING_URI, W&B's "
-                   "project to $WANDB_PROJECT, else speedrun)")
+                   "(repeatable; default $SPEEDRUN_TRACK, else the recipe file's `track`; MLflow's URI defaults to "
+                   "$MLFLOW_TRACKING_URI, W&B's project to $WANDB_PROJECT, else speedrun)")
     p.add_argument("--track-group", default=None, metavar="NAME",
                    help="with --track: the run's group (MLflow: a parent run of that name; W&B: a group); default "
                    "$SPEEDRUN_TRACK_GROUP, else the launch job's name")

@@ -24,6 +24,7 @@ from speedrun.errors import EXIT_FAILED, SpeedrunError
 from speedrun.trackers.outbox import Backend, Outbox, one_line
 
 KINDS = {"mlflow": "mlflow[=URI]", "wandb": "wandb[=[ENTITY/]PROJECT]"}  # each kind, as --track takes it
+METAVAR = "|".join(KINDS.values())  # --track's, in every command that takes it
 ENV = "SPEEDRUN_TRACK"  # comma-separated, as --track takes them
 GROUP_ENV = "SPEEDRUN_TRACK_GROUP"
 
