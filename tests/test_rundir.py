@@ -191,12 +191,13 @@ def test_runs_killed_at_any_moment_resume_to_the_uninterrupted_result(tiny_run, 
     reference = tiny_run  # `speedrun ARGS` run to the end (conftest.py)
     out = tmp_path / "killed"
     steps = lambda: len(read_jsonl(out / "steps.jsonl"))  # noqa: E731
+    # One kill of each kind of moment (a second mid-epoch kill, in epoch 3, proved nothing more
+    # and cost a training process: the test was over 120 s in the suite).
     triggers = [
         lambda: steps() >= 5,  # mid-epoch 1, before any checkpoint
         lambda: any(out.glob(".checkpoint.pt.*.tmp")),  # mid-write, if the poll catches it
-        lambda: steps() >= 120,  # mid-epoch 2
-        lambda: (out / "metrics.jsonl").exists() and len(read_jsonl(out / "metrics.jsonl")) >= 2,
-        lambda: steps() >= 200,
+        lambda: steps() >= 120,  # mid-epoch 2, resumed from a checkpoint
+        lambda: (out / "metrics.jsonl").exists() and len(read_jsonl(out / "metrics.jsonl")) >= 2,  # after an eval
     ]
 
     # Bound with partial below, so each wait polls its own iteration's process and trigger.

@@ -8,7 +8,7 @@ from speedrun.inputs import given_path
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the `track` command group to the top-level parser."""
-    track = sub.add_parser("track", help="a run's experiment trackers (MLflow)")
+    track = sub.add_parser("track", help="a run's experiment trackers (MLflow, W&B)")
     cmds = track.add_subparsers(dest="track_command", metavar="SUBCOMMAND", required=True)
     p = cmds.add_parser("sync", help="send a tracker what a run kept back while it did not answer",
                         description="Send each tracker of RUN_DIR (its --track) the records it has not taken: those "
