@@ -44,6 +44,7 @@ if TYPE_CHECKING:  # types only: the loop hands these in
 
 
 TB_FLUSH_S = 5  # seconds between TensorBoard's flushes to disk (see Tracker.__init__)
+EPOCH_KEYS = ("size", "batch_size", "images_per_s", "epoch_s", "memory_mb")  # an epoch's speed record, as train/KEY
 # results.json's figures that a tracker gets as metrics at the run's end (its last step).
 SUMMARY = ("time_to_target_s", "time_to_target_from_first_step_s", "cost_to_target_usd", "cost_usd", "total_s",
            "startup_s", "lost_s", "epochs_run")
@@ -145,10 +146,10 @@ class Tracker:
             return
         if not (self.run_dir / "tb").is_dir():  # as in log_step: fail here, not in TensorBoard's thread
             raise FileNotFoundError(errno.ENOENT, "the run directory's tb/ folder is gone", str(self.run_dir / "tb"))
-        for key in ("size", "batch_size", "images_per_s", "epoch_s", "memory_mb"):
+        for key in EPOCH_KEYS:
             self._tb.add_scalar(f"train/{key}", record[key], record["step"])
-        self.trackers.metrics(record["step"], {"epoch": record["epoch"], **{
-            f"train/{key}": record[key] for key in ("size", "batch_size", "images_per_s", "epoch_s", "memory_mb")}})
+        self.trackers.metrics(record["step"], {"epoch": record["epoch"], **{f"train/{key}": record[key]
+                                                                            for key in EPOCH_KEYS}})
 
     def log_eval(self, record: dict[str, Any]) -> None:
         """One evaluation: epoch, step, loss, top1, top5, wall_s, size."""

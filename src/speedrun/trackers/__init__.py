@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from speedrun.errors import EXIT_FAILED, SpeedrunError
-from speedrun.trackers.outbox import Backend, Outbox, one_line
+from speedrun.errors import EXIT_FAILED, SpeedrunError, one_line
+from speedrun.trackers.outbox import Backend, Outbox, read_state
 
 KINDS = {"mlflow": "mlflow[=URI]", "wandb": "wandb[=[ENTITY/]PROJECT]"}  # each kind, as --track takes it
 METAVAR = "|".join(KINDS.values())  # --track's, in every command that takes it
@@ -64,8 +64,6 @@ def parse_group(value: str | None) -> str | None:
 
 def saved_tracks(run_dir: Path) -> tuple[TrackSpec, ...]:
     """The trackers a run directory's earlier starts logged to (a resume goes on with them)."""
-    from speedrun.trackers.outbox import read_state
-
     folder = Path(run_dir) / "trackers"
     states = [read_state(p) for p in sorted(folder.glob("*.json"))] if folder.is_dir() else []
     return tuple(TrackSpec(s["kind"], s.get("where")) for s in states if s.get("kind") in KINDS)

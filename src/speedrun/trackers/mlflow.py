@@ -14,8 +14,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from speedrun.errors import SpeedrunError
-from speedrun.trackers.outbox import Outbox, one_line
+from speedrun.errors import SpeedrunError, one_line
+from speedrun.trackers.outbox import Outbox
 
 # MLflow's client retries a failed call 7 times over minutes by default: the sender retries by
 # itself (outbox.RETRY_S) and a start must fail in seconds, so one try of 10 s unless set. Its

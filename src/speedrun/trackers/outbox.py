@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from speedrun import files
+from speedrun.errors import one_line
 
 RETRY_S = (1, 2, 5, 10, 30)  # waits between tries after a failure; the last one repeats
 FLUSH_S = 10.0  # how long a closing run waits for its records to reach the tracker
@@ -145,12 +146,6 @@ class Outbox:
             # A tracker failing at the end gets no more of the run's time: its thread, a daemon, is
             # left to its retries until the process ends; what it did not send is on disk.
         return self.pending()
-
-
-def one_line(error: BaseException) -> str:
-    """An error as one short line: its type and its message's first line."""
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
 
 
 def read_state(path: Path) -> dict[str, Any]:

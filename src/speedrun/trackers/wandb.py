@@ -15,8 +15,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from speedrun.errors import EXIT_RESUMABLE, SpeedrunError
-from speedrun.trackers.outbox import Outbox, one_line
+from speedrun.errors import EXIT_RESUMABLE, SpeedrunError, one_line
+from speedrun.trackers.outbox import Outbox
 
 DEFAULT_PROJECT = "speedrun"
 # The exit code a W&B run ends with, by results.json's status (failed: 1): W&B shows 0 as finished,
