@@ -241,6 +241,13 @@ def test_an_ablation_is_an_mlflow_parent_with_its_runs_as_children_and_one_wandb
     assert mlflow_rows == folder_rows and sorted(mlflow_rows) == ["full/seed0", "zero-init/seed0"]
 
 
+@pytest.mark.slow
+def test_compare_of_an_mlflow_experiment_that_is_not_there_is_one_line_exit_2(mlflow_server):
+    r = speedrun("compare", "mlflow://no-such-experiment", env={**ONE_THREAD, "MLFLOW_TRACKING_URI": mlflow_server.uri})
+    one_line_error(r, "nothing to compare: mlflow://no-such-experiment: no such MLflow experiment at "
+                   f"{mlflow_server.uri}")
+
+
 def rows_by_run(stdout, prefix):
     """`compare --json`'s rows by their run's label, less `prefix`."""
     return {row.pop("run").removeprefix(prefix): row for row in json.loads(stdout)}

@@ -14,12 +14,14 @@ from pathlib import Path
 
 
 def wandb_env(folder: Path, **more: str) -> dict[str, str]:
-    """This process's environment with W&B offline, its settings and caches in `folder`, and any
-    address it might try on loopback (nothing is sent: offline)."""
+    """This process's environment with W&B offline, its settings and caches in `folder`, any
+    address it might try on loopback (nothing is sent: offline), and its error reports (to W&B's
+    telemetry service, a public address) off."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     home = str(Path(folder) / "wandb-home")
     return {**env, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_BASE_URL": "http://127.0.0.1:9",
-            "WANDB_CONFIG_DIR": home, "WANDB_CACHE_DIR": home, "WANDB_DATA_DIR": home, **more}
+            "WANDB_ERROR_REPORTING": "false", "WANDB_CONFIG_DIR": home, "WANDB_CACHE_DIR": home,
+            "WANDB_DATA_DIR": home, **more}
 
 
 def wandb_runs(run_dir: Path) -> list[tuple[dict, dict, dict, list]]:
