@@ -81,6 +81,38 @@ def test_a_lost_host_is_replaced_by_the_spare_and_the_run_finishes(three_hosts, 
         job.close()
 
 
+def test_a_host_slow_to_answer_for_a_look_or_two_is_not_lost(netns, ssh_job, shared_dir, caplog):
+    """A busy machine may take longer than a look's wait to answer: not a lost one. Task 1's sshd
+    (its listener and the session serving the master connection) is frozen for two looks, then
+    thawed: no recovery (with no spare host, one would fail), and the job finishes where it ran."""
+    import os
+    import signal
+
+    from test_cluster_ssh import sshd_sessions
+
+    job = ssh_job()
+    go, waits = Path(job.run_dir, "go"), shared_dir / "waits.py"
+    waits.write_text(f"import os, time\nwhile not os.path.exists({str(go)!r}):\n    time.sleep(0.2)\n")
+    job.launch([str(waits)])
+    wait_for(lambda: [s.state for s in job.status()] == ["running", "running"], 120, "both tasks running")
+    caplog.set_level("INFO", logger="speedrun.cluster")
+    thread, outcome = start_watch(job, max_restarts=0, recover_wait_s=1)
+    frozen = [netns.hosts[1].sshd.pid, *sshd_sessions(netns.hosts[1])]
+    for pid in frozen:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: "(look 2 of 3)" in caplog.text or not thread.is_alive(), 120, "two unanswered looks")
+    finally:
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
+    go.touch()
+    thread.join(timeout=300)
+    assert not thread.is_alive() and "error" not in outcome, outcome
+    assert [s.state for s in outcome["states"]] == ["succeeded", "succeeded"]
+    assert f"task 1 ({netns.specs[1]}) did not answer (look 1 of 3)" in caplog.text
+    assert "recovering" not in caplog.text and not Path(job.run_dir, "recoveries.jsonl").exists()
+
+
 def test_launch_recover_starts_an_ended_job_again_and_gives_up_after_max_restarts(tmp_path, job_name, capsys):
     from speedrun.cli import main
     flaky = tmp_path / "flaky.py"  # fails on its first run, as a job whose rank died would

@@ -8,7 +8,8 @@ the job runs reconnects and takes over, counting the recoveries already made. Ev
 seconds it asks each task's state, within seconds whatever the network does (as `speedrun ls`), and:
 
 - every task succeeded: done;
-- a task is unreachable or lost (its machine died or went silent): a `lost_host` recovery. The
+- a task is unreachable (it has not answered LOOKS_UNANSWERED = 3 looks in a row, each waiting up to
+  REACH_TIMEOUT_S; until then nothing is decided) or lost (its machine died): a `lost_host` recovery. The
   provider gives a replacement (ssh: the next spare host, listed beyond the tasks; aws: a new
   instance of the same type), which gets a session in the same run directory, the synced code and
   the setup. A provider with no capacity now (NoCapacity: AWS's InsufficientInstanceCapacity) is
@@ -47,6 +48,10 @@ RECOVERIES = "recoveries.jsonl"
 RECOVER_WAIT_S = 3600.0  # default --recover-wait: how long a replacement waits for capacity, seconds
 MAX_BACKOFF_S = 300.0  # the longest wait between two tries for capacity, seconds
 COUNTED = "failure"  # the kind of recovery that counts towards max_restarts
+# Looks in a row a task must go unanswered before its machine counts as lost: a machine busy enough
+# to take longer than a look's wait (REACH_TIMEOUT_S) to answer once is slow, not gone (a loaded
+# 2-core box took over 5 s to answer one look mid-run, and the watcher replaced both machines).
+LOOKS_UNANSWERED = 3
 
 
 @dataclass
@@ -94,10 +99,20 @@ def watch(job: TmuxJob, name: str = "train", *, max_restarts: int = 3, every_s: 
         raise SpeedrunError(f"job {job.name}: nothing named {name!r} was launched by this process to watch")
     # A watcher started again goes on counting (a line without a kind is an older watcher's: counted).
     restarts = sum(1 for r in past_recoveries(job) if r.get("kind", COUNTED) == COUNTED)
+    unanswered = [0] * len(job.tasks)  # looks in a row each task has not answered
     while True:
         states = job.status(name)
         if all(s.state == "succeeded" for s in states):
             return states
+        for s in states:
+            unanswered[s.index] = unanswered[s.index] + 1 if s.state == "unreachable" else 0
+        waiting = [s for s in states if s.state == "unreachable" and unanswered[s.index] < LOOKS_UNANSWERED]
+        for s in waiting:
+            log.info("job %s: task %d (%s) did not answer (look %d of %d): %s", job.name, s.index, s.host,
+                     unanswered[s.index], LOOKS_UNANSWERED, s.error)
+        if waiting:  # nothing is decided while a machine may only be slow: look again
+            time.sleep(every_s)
+            continue
         lost = [s for s in states if s.state in ("unreachable", "lost")]
         ended = [s for s in states if s.state.startswith("failed") or s.state == "killed"]
         if not lost and not ended:
@@ -113,6 +128,7 @@ def watch(job: TmuxJob, name: str = "train", *, max_restarts: int = 3, every_s: 
                 raise SpeedrunError(f"job {job.name}: gave up after {restarts} recoveries: {why}")
             restarts += 1
         recover(job, name, [s.index for s in lost], why, resume_flag, kind=kind, recover_wait_s=recover_wait_s)
+        unanswered = [0] * len(job.tasks)  # the replacements start afresh
 
 
 def stopped_at_a_step(job: TmuxJob, name: str) -> bool:
