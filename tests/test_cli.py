@@ -98,6 +98,16 @@ def test_every_command_has_help():
         assert proc.returncode == 0 and "usage:" in proc.stdout
 
 
+def test_the_routing_table_names_every_command_and_each_module_registers_its_own():
+    # That `speedrun train` imports no other command's module: tests/test_trackers.py, in a process.
+    from speedrun.cli import COMMAND_MODULES, build_parser
+
+    every = build_parser()._subparsers._group_actions[0].choices  # argparse's own record of them
+    assert list(every) == [c for commands in COMMAND_MODULES.values() for c in commands]
+    for commands in COMMAND_MODULES.values():
+        assert list(build_parser([commands[0], "--x"])._subparsers._group_actions[0].choices) == list(commands)
+
+
 @pytest.mark.parametrize("command", [[], ["train"]])
 def test_help_names_every_exit_code(command):
     from speedrun import errors

@@ -67,18 +67,22 @@ def test_compare_of_a_folder_of_runs_never_takes_a_runs_own_files_for_another_ru
 
 
 @pytest.mark.slow
-def test_compare_finished_unfinished_not_reached_and_different_recipes(tmp_path):
+def test_compare_finished_unfinished_not_reached_and_different_recipes(tiny_target_run, tmp_path):
+    import shutil
+
     slower = tmp_path / "slower.py"
     slower.write_text("import dataclasses\nfrom speedrun.recipes import BUILTIN\n"
                       "recipe = dataclasses.replace(BUILTIN['tiny'], name='tiny-wd', optimizer=dataclasses.replace("
                       "BUILTIN['tiny'].optimizer, weight_decay=1e-3))\n")
     made = {
-        "r-reached": ["--recipe", "tiny", "--target", "top1=0.6"],
         "r-other-recipe": ["--recipe", str(slower), "--target", "top1=0.6"],
         "r-not-reached": ["--recipe", "tiny", "--epochs", "2", "--target", "top1=0.99"],
     }
-    # The three runs are independent: they train side by side.
+    # The two runs are independent: they train side by side. The third, the session's tiny run that
+    # reached its target (top-1 0.2), is copied.
     procs = {name: start("train", *args, "--out", str(tmp_path / name)) for name, args in made.items()}
+    shutil.copytree(tiny_target_run.out, tmp_path / "r-reached")
+    made["r-reached"] = []
     for proc in procs.values():
         _, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err

@@ -73,12 +73,20 @@ def series(server, run_id, key):
 
 
 @pytest.mark.slow
-def test_a_runs_parameters_metrics_tags_and_files_read_back_through_mlflow_and_wandbs_reader(mlflow_server, tmp_path):
-    # One run, two trackers: MLflow's server, and W&B offline.
-    out = tmp_path / "tracked"
-    r = speedrun(*TINY, "--epochs", "2", "--log-every", "5", "--out", str(out),
-                 "--track", f"mlflow={mlflow_server.uri}", "--track", "wandb=team/bench", env=wandb_env(tmp_path),
-                 timeout=600)
+def test_a_run_stopped_and_resumed_is_one_tracker_run_read_back_whole_through_mlflow_and_wandbs_reader(
+        mlflow_server, tmp_path):
+    # One run, two trackers (MLflow's server and W&B offline), SIGTERMed mid-epoch and resumed:
+    # each tracker holds one run with the parameters, tags, unbroken series and files.
+    out, env = tmp_path / "tracked", wandb_env(tmp_path)
+    args = [*TINY, "--epochs", "2", "--log-every", "1", "--out", str(out)]
+    proc = start(*args, "--track", f"mlflow={mlflow_server.uri}", "--track", "wandb=team/bench", env=env)
+    wait_for(lambda: (out / "steps.jsonl").exists() and len(read_jsonl(out / "steps.jsonl")) >= 20, 300, "20 steps")
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == EXIT_RESUMABLE, err
+    assert the_run(mlflow_server, out).info.status == "KILLED"
+    # The resume needs no --track: the run directory knows its tracker runs.
+    r = speedrun(*args, "--resume", env=env, timeout=600)
     assert r.returncode == 0, r.stderr
     run = the_run(mlflow_server, out)
     assert run.info.status == "FINISHED"
@@ -93,8 +101,9 @@ def test_a_runs_parameters_metrics_tags_and_files_read_back_through_mlflow_and_w
     assert tags["speedrun.recipe"] == "tiny" and tags["speedrun.world_size"] == "1" and tags["speedrun.host"]
     assert tags["speedrun.device"].startswith("cpu") and tags["speedrun.status"] == "finished"
     assert tags["speedrun.checkpoint"].startswith(str(out / "checkpoint.pt"))
-    # Every point as the run's own records have it, at the optimizer step.
+    # Every point as the run's own records have it, at the optimizer step, with no gap or repeat.
     evals, steps = read_jsonl(out / "metrics.jsonl"), read_jsonl(out / "steps.jsonl")
+    assert [s["step"] for s in steps] == list(range(1, len(steps) + 1))
     for key in ("top1", "top5", "loss"):
         assert series(mlflow_server, run.info.run_id, f"val/{key}") == [(e["step"], e[key]) for e in evals]
     assert series(mlflow_server, run.info.run_id, "train/loss") == [(s["step"], s["loss"]) for s in steps]
@@ -108,48 +117,26 @@ def test_a_runs_parameters_metrics_tags_and_files_read_back_through_mlflow_and_w
     got = client(mlflow_server).download_artifacts(run.info.run_id, "results.json", str(tmp_path))
     assert json.loads(open(got).read()) == results
 
-    # W&B's offline run, read back with wandb's own reader: the same series, config and files.
+    # W&B offline, read back with wandb's own reader: one file per start, both of the one run
+    # (`wandb sync` makes them one), the first ended as stopped (75), the two histories the run's
+    # series without a gap or a repeat; the config and files as the run has them.
     state = json.loads((out / "trackers" / "wandb.json").read_text())
     assert f"tracked: W&B offline run {state['run_id']} in {out / 'trackers' / 'wandb'}" in r.stdout
-    assert "wandb:" not in r.stdout + r.stderr  # wandb's own lines stay out of the run's
-    [(wb, config, history, exits)] = wandb_runs(out)
-    assert wb["run_id"] == state["run_id"] and wb["project"] == "bench" and wb["entity"] == "team"
-    assert wb["display_name"] == "tracked" and exits == [0]
+    assert "wandb:" not in r.stdout + r.stderr + err  # wandb's own lines stay out of the run's
+    (first, config, before, stopped), (wb, _, after, finished) = wandb_runs(out)
+    assert first["run_id"] == wb["run_id"] == state["run_id"] and stopped == [EXIT_RESUMABLE] and finished == [0]
+    assert wb["project"] == "bench" and wb["entity"] == "team" and wb["display_name"] == "tracked"
     recipe = {k: v for k, v in params.items() if k.startswith("recipe.")}  # strings in both (settings: W&B's types)
-    assert {k: config[k] for k in recipe} == recipe and config["speedrun.recipe"] == "tiny"
-    assert "recipe:tiny" in wb["tags"] and "world_size:1" in wb["tags"] and "provider:none" in wb["tags"]
-    assert wandb_series(history, "train/loss") == [(s["step"], s["loss"]) for s in steps]
-    for key in ("top1", "top5", "loss"):
-        assert wandb_series(history, f"val/{key}") == [(e["step"], e[key]) for e in evals]
-    assert history[results["steps"]]["total_s"] == results["total_s"]
-    files = {p.name for p in (out / "trackers" / "wandb").glob("offline-run-*/files/*")}
-    assert {"results.json", "metrics.jsonl", "accuracy.png"} <= files
-
-
-@pytest.mark.slow
-def test_a_run_stopped_and_resumed_is_one_tracker_run_with_an_unbroken_series(mlflow_server, tmp_path):
-    out, env = tmp_path / "stopped", wandb_env(tmp_path)
-    args = [*TINY, "--epochs", "2", "--log-every", "1", "--out", str(out)]
-    proc = start(*args, "--track", f"mlflow={mlflow_server.uri}", "--track", "wandb", env=env)
-    wait_for(lambda: (out / "steps.jsonl").exists() and len(read_jsonl(out / "steps.jsonl")) >= 20, 300, "20 steps")
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == EXIT_RESUMABLE, err
-    assert the_run(mlflow_server, out).info.status == "KILLED"
-    # The resume needs no --track: the run directory knows its tracker runs.
-    r = speedrun(*args, "--resume", env=env, timeout=600)
-    assert r.returncode == 0, r.stderr
-    run = the_run(mlflow_server, out)
-    assert run.info.status == "FINISHED"
-    steps = read_jsonl(out / "steps.jsonl")
-    assert [s["step"] for s in steps] == list(range(1, len(steps) + 1))
-    assert series(mlflow_server, run.info.run_id, "train/loss") == [(s["step"], s["loss"]) for s in steps]
-    # W&B offline: one file per start, both of the one run (`wandb sync` makes them one), the
-    # first ended as stopped (75), the two histories the run's series without a gap or a repeat.
-    (first, _, before, stopped), (second, _, after, finished) = wandb_runs(out)
-    assert first["run_id"] == second["run_id"] and stopped == [EXIT_RESUMABLE] and finished == [0]
+    assert {k: config[k] for k in recipe} == recipe and config["speedrun.recipe"] == "tiny"  # set at the start
+    assert "recipe:tiny" in first["tags"] and "world_size:1" in first["tags"] and "provider:none" in first["tags"]
     assert wandb_series(before, "train/loss") + wandb_series(after, "train/loss") == \
         [(s["step"], s["loss"]) for s in steps]
+    for key in ("top1", "top5", "loss"):
+        assert wandb_series(before, f"val/{key}") + wandb_series(after, f"val/{key}") == \
+            [(e["step"], e[key]) for e in evals]
+    assert after[results["steps"]]["total_s"] == results["total_s"]
+    files = {p.name for p in (out / "trackers" / "wandb").glob("offline-run-*/files/*")}
+    assert {"results.json", "metrics.jsonl", "accuracy.png"} <= files
 
 
 @pytest.mark.slow
@@ -204,14 +191,18 @@ def test_a_tracker_that_does_not_take_the_run_at_the_start_is_one_line_exit_2_be
 
 
 @pytest.mark.slow
-def test_a_run_without_track_imports_nothing_of_mlflow():
+def test_a_run_without_track_imports_nothing_of_mlflow_nor_another_commands_module():
     import subprocess
     import sys
 
-    code = ("import sys; from speedrun import cli, engine, track, trackers; cli.build_parser(); "
+    # `speedrun train`'s parser first (speedrun.cli's routing table), then every command's.
+    code = ("import sys; from speedrun import cli; cli.build_parser(['train']); "
+            "print(sorted(m for m in sys.modules if m.startswith(('speedrun.cluster', 'speedrun.tune.cli', "
+            "'speedrun.trackers.cli', 'speedrun.data.cli', 'speedrun.experiment_cli', 'mlflow', 'wandb')))); "
+            "from speedrun import engine, track, trackers; cli.build_parser(); "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlflow', 'wandb')))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stderr
+    assert r.returncode == 0 and r.stdout.split("\n")[:2] == ["[]", "[]"], r.stdout + r.stderr
 
 
 @pytest.mark.slow
