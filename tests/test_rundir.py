@@ -151,11 +151,18 @@ def test_resume_refuses_another_seed_or_determinism(stopped_run, tmp_path, flags
     one_line_error(speedrun(*TINY, "--epochs", "2", "--out", str(out), "--resume", *flags), expected)
 
 
-def test_temporary_checkpoints_of_a_killed_writer_are_removed(stopped_run, tmp_path):
+def test_temporaries_of_a_killed_writer_are_removed(stopped_run, tmp_path):
+    # Every file a run writes whole (files.replacing) leaves `.<name>.<random>.tmp` when its writer
+    # is killed mid-write: a checkpoint, results.json, a JSONL cut back on resume, a tracker's state.
     out = copy_run(stopped_run, tmp_path / "run")
     (out / ".checkpoint.pt.k1ll3d.tmp").write_bytes(b"half a checkpoint")
+    (out / ".results.json.k1ll3d.tmp").write_text('{"status": "runn')
+    (out / ".steps.jsonl.k1ll3d.tmp").write_text('{"step": 1}\n')
+    (out / "trackers").mkdir(exist_ok=True)
+    (out / "trackers" / ".mlflow.json.k1ll3d.tmp").write_text("{")
+    (out / ".mine.tmp").write_text("not speedrun's")  # a file of the user's is theirs
     assert speedrun(*TINY, "--epochs", "2", "--out", str(out), "--resume").returncode == 0
-    assert not list(out.glob(".checkpoint.pt.*.tmp"))
+    assert sorted(p.name for p in out.rglob("*.tmp")) == [".mine.tmp"]
 
 
 # An --out that is a file, and a refused run that leaves no directory behind: test_cli.py (in

@@ -40,6 +40,7 @@ CHECKPOINT = "checkpoint.pt"
 RESULTS = "results.json"
 # What a run writes besides its checkpoint (track.py's files and the plot).
 RUN_FILES = ("metrics.jsonl", "steps.jsonl", "tb", RESULTS, "accuracy.png")
+WRITTEN_WHOLE = (CHECKPOINT, RESULTS, "metrics.jsonl", "steps.jsonl")  # at some moment by files.replacing
 LOCK = ".lock"
 FINISHED = ("finished", "target_reached")  # statuses of a run that has nothing left to do
 
@@ -82,13 +83,22 @@ def claim(out: Path, resume: bool) -> RunDir:
         raise SpeedrunError(f"--out {out} is not writable by this user; choose another directory")
     claimed = RunDir(out, _lock(out), created=created)
     try:
-        for tmp in out.glob(f".{CHECKPOINT}.*.tmp"):  # a writer killed mid-write; nobody holds them now
-            tmp.unlink(missing_ok=True)
+        _remove_temporaries(out)
         claimed.note = _check_contents(out, resume)
     except BaseException:
         claimed.release()  # a refused --resume leaves no empty directory behind
         raise
     return claimed
+
+
+def _remove_temporaries(out: Path) -> None:
+    """The temporaries a writer killed mid-write left: a file the run writes whole (files.replacing)
+    is written as `.<name>.<random>.tmp` beside it first. Nobody holds them once `out` is claimed."""
+    for name in WRITTEN_WHOLE:
+        for tmp in out.glob(f".{name}.*.tmp"):
+            tmp.unlink(missing_ok=True)
+    for tmp in (out / "trackers").glob(".*.tmp"):  # speedrun.trackers' own folder: all of it is theirs
+        tmp.unlink(missing_ok=True)
 
 
 def _lock(out: Path) -> IO[str]:
