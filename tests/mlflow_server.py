@@ -1,7 +1,7 @@
 """A real MLflow tracking server for the tests (`mlflow server`, from the test extra): a SQLite
-backend and a local artifact store in a temporary directory, on 127.0.0.1 at a free port, one
-worker. It can be killed and started again on the same port and database, as a server that went
-away mid-run and came back.
+backend and a local artifact store in a temporary directory, on 127.0.0.1 (or the address given:
+a namespace cluster's bridge, which its hosts reach) at a free port, one worker. It can be killed
+and started again on the same port and database, as a server that went away mid-run and came back.
 
     with MLflowServer(tmp) as server:
         server.uri         # http://127.0.0.1:PORT
@@ -23,20 +23,22 @@ from postgres_server import free_port
 class MLflowServer:
     """Start with `with` (or `start`); `uri` is its tracking URI."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, host: str = "127.0.0.1"):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
-        self.port = free_port()
-        self.uri = f"http://127.0.0.1:{self.port}"
+        self.host, self.port = host, free_port()
+        self.uri = f"http://{host}:{self.port}"
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> MLflowServer:
         log = open(self.root / "server.log", "ab")
         # start_new_session: `kill` ends the server and the workers it forks, as a lost host would.
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port),
+            [sys.executable, "-m", "mlflow", "server", "--host", self.host, "--port", str(self.port),
              "--workers", "1", "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
-             "--artifacts-destination", str(self.root / "artifacts")],
+             "--artifacts-destination", str(self.root / "artifacts"),
+             # Its Host-header check admits loopback and private addresses; the test network is neither.
+             "--allowed-hosts", f"{self.host},{self.host}:{self.port}"],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
             # No background job runner (a second process importing MLflow): the tests log runs only.
             env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})

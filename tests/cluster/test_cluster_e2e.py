@@ -17,6 +17,7 @@ import pytest
 from speedrun.cli import main
 from speedrun.cluster import open_job
 from speedrun.recipes import load_recipe
+from mlflow_server import MLflowServer
 from wandb_files import wandb_env, wandb_runs
 
 HERE = Path(__file__).parent
@@ -84,11 +85,24 @@ def speedrun(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 def test_two_hosts_train_from_the_cli(netns, shared_dir, job_name, capsys):
     ssh = ["--hosts", ",".join(netns.specs), "--identity", str(netns.client_key),
            "--known-hosts", str(netns.known_hosts), "--run-root", str(shared_dir / "cli-runs")]
-    # Tracked by W&B, offline: its files stay in the run directory.
+    # Tracked by W&B, offline (its files stay in the run directory), and by an MLflow server on this
+    # machine's address on the hosts' network.
     offline = [f"{k}={v}" for k, v in wandb_env(shared_dir).items() if k.startswith("WANDB_")]
-    r = speedrun("launch", job_name, *ssh, "--env", "OMP_NUM_THREADS=1", *(f"--env={e}" for e in offline),
-                 "--price-per-hour", "1.25", "--follow", "--", *TRAIN, "--out", "{run_dir}", "--track", "wandb")
-    assert r.returncode == 0, r.stderr
+    with MLflowServer(shared_dir / "mlflow", host=netns.address(-1)) as server:
+        r = speedrun("launch", job_name, *ssh, "--env", "OMP_NUM_THREADS=1", *(f"--env={e}" for e in offline),
+                     "--price-per-hour", "1.25", "--follow", "--", *TRAIN, "--out", "{run_dir}", "--track", "wandb",
+                     "--track", f"mlflow={server.uri}")
+        assert r.returncode == 0, r.stderr
+        # One MLflow run, rank 0's, a child of the job's parent run, tagged with the job and its provider.
+        from mlflow.tracking import MlflowClient
+        client = MlflowClient(tracking_uri=server.uri)
+        experiment = client.get_experiment_by_name("speedrun").experiment_id
+        group = f"tags.`speedrun.kind` = 'group' and tags.`speedrun.group` = '{job_name}'"
+        [parent] = client.search_runs([experiment], group)
+        [child] = client.search_runs([experiment], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+        assert parent.info.run_name == job_name and child.info.run_name == f"{job_name}/run.01"
+        assert child.info.status == "FINISHED" and child.data.tags["speedrun.provider"] == "ssh"
+        assert child.data.tags["speedrun.job"] == job_name and child.data.tags["speedrun.world_size"] == "2"
     run_dir = r.stdout.split("run dir ", 1)[1].split(":", 1)[0]
     assert run_dir == str(shared_dir / "cli-runs" / job_name / "run.01")
     assert re.search(r"^\[0\] " + last_epoch(), r.stdout, re.M)  # --follow printed task 0's log
