@@ -7,6 +7,7 @@ one W&B group."""
 import json
 import os
 import signal
+from pathlib import Path
 
 import pytest
 from cli_run import one_line_error, speedrun, speedrun_here, start, wait_for
@@ -150,7 +151,7 @@ def test_a_server_killed_mid_run_holds_nothing_up_and_track_sync_fills_the_gap(m
                       f"track = ['mlflow={server.uri}']\n")
     try:
         proc = start("train", "--recipe", str(recipe), "--device", "cpu", "--epochs", "1", "--log-every", "1",
-                     "--out", str(out), env=ONE_THREAD)
+                     "--track-checkpoints", "--out", str(out), env=ONE_THREAD)
         wait_for(lambda: (out / "steps.jsonl").exists() and len(read_jsonl(out / "steps.jsonl")) >= 10, 300,
                  "10 steps")
         server.kill()
@@ -170,7 +171,11 @@ def test_a_server_killed_mid_run_holds_nothing_up_and_track_sync_fills_the_gap(m
         assert series(server, run.info.run_id, "train/loss") == [(s["step"], s["loss"]) for s in steps]
         evals = read_jsonl(out / "metrics.jsonl")
         assert series(server, run.info.run_id, "val/top1") == [(e["step"], e["top1"]) for e in evals]
-        assert {a.path for a in client(server).list_artifacts(run.info.run_id)} >= {"accuracy.png", "results.json"}
+        # --track-checkpoints: the final checkpoint too, sent with the rest once the server is back.
+        assert {a.path for a in client(server).list_artifacts(run.info.run_id)} >= {"accuracy.png", "results.json",
+                                                                                    "checkpoint.pt"}
+        got = client(server).download_artifacts(run.info.run_id, "checkpoint.pt", str(tmp_path))
+        assert Path(got).read_bytes() == (out / "checkpoint.pt").read_bytes()
     finally:
         if server.proc is None:  # the module's other tests use it
             server.start()
