@@ -82,7 +82,6 @@ def test_compare_finished_unfinished_not_reached_and_different_recipes(tiny_targ
     # reached its target (top-1 0.2), is copied.
     procs = {name: start("train", *args, "--out", str(tmp_path / name)) for name, args in made.items()}
     shutil.copytree(tiny_target_run.out, tmp_path / "r-reached")
-    made["r-reached"] = []
     for proc in procs.values():
         _, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err
@@ -108,7 +107,7 @@ def test_compare_finished_unfinished_not_reached_and_different_recipes(tiny_targ
     assert "not reached" in by_name["r-not-reached"] and "running" in by_name["live"] and "not yet" in by_name["live"]
     assert (tmp_path / "cmp.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # The same through the Python API: the fields that differ, and their values per run.
-    result = compare([read_run(tmp_path / n) for n in made])
+    result = compare([read_run(tmp_path / n) for n in (*made, "r-reached")])
     assert {"optimizer.weight_decay", "target.value", "epochs"} <= set(result.differing)
     assert "optimizer.momentum" not in result.differing and "model" not in result.differing
     rows = {row["run"].rsplit("/", 1)[-1]: row for row in result.rows()}
