@@ -45,11 +45,14 @@ def slurm(tmp_path_factory):
 @pytest.fixture
 def in_cluster(slurm, monkeypatch):
     """The module's cluster, reached as speedrun reaches it (SLURM_CONF); every job cancelled after
-    the test, so that one that failed leaves the next its nodes."""
+    the test and every node idle again, so that the next test has all three: a cancelled job's nodes
+    stay "completing" for a moment, and a job started then is given another node than the test
+    names (node1 and node3, not node2)."""
     for k, v in slurm.env.items():
         monkeypatch.setenv(k, v)
     yield slurm
     slurm.client("scancel", "--user", "root", check=False)
+    slurm.wait_for_nodes("idle", slurm.node_names)
 
 
 @pytest.fixture(scope="module")
