@@ -1,6 +1,7 @@
 """The local provider: tasks are tmux sessions on this machine (real tmux)."""
 from __future__ import annotations
 
+import ctypes
 import io
 import os
 import shlex
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from speedrun.cluster import CommandFailed, SSHOptions, make_job
+from speedrun.cluster.tmux_job import COUNT_GPUS
 from cli_run import in_terminal, terminal_exit, wait_for
 from speedrun.errors import SpeedrunError
 
@@ -381,3 +383,20 @@ def test_bad_input_is_a_one_line_error(local_job, tmp_path):
     job = local_job()
     with pytest.raises(SpeedrunError, match="bad command name"):
         job[0].run("true", name="has space")
+
+
+def test_a_host_without_gpus_runs_one_process_per_task_and_is_asked_without_importing_torch(local_job):
+    # `speedrun check`'s processes per task: torch sees no GPU without libcuda (NVIDIA) or /dev/kfd
+    # (AMD), and then the question costs no import of torch (2-3 CPU s on the host).
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        pytest.skip("this machine has NVIDIA's driver")
+    except OSError:
+        pass
+    if os.path.exists("/dev/kfd"):
+        pytest.skip("this machine has AMD's driver")
+    job = local_job()
+    assert job.devices_per_task() == 1
+    r = subprocess.run([job.python, "-X", "importtime", "-c", COUNT_GPUS], capture_output=True, text=True)
+    assert r.stdout == "0\n" and r.returncode == 0
+    assert not [ln for ln in r.stderr.splitlines() if ln.rstrip().endswith("| torch")]

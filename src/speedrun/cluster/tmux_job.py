@@ -44,6 +44,19 @@ def interface_towards(task: Task, address: str) -> str | None:
     return device if r.returncode == 0 and device and device != "lo" else None
 
 
+# What torch.cuda.device_count() says on a host, without torch's import (2-3 CPU s) where it can only
+# say 0: torch finds NVIDIA GPUs through the driver's libcuda and AMD ones through /dev/kfd.
+COUNT_GPUS = """import ctypes, os, sys
+try:
+    ctypes.CDLL("libcuda.so.1")
+except OSError:
+    if not os.path.exists("/dev/kfd"):
+        print(0)
+        sys.exit()
+import torch
+print(torch.cuda.device_count())
+"""
+
 @dataclass(frozen=True)
 class HostSetup:
     """How make_job prepared the job's hosts (tmux server, synced code, setup script): what a host
@@ -178,7 +191,7 @@ class TmuxJob(Job):
     def devices_per_task(self) -> int:
         """One process per device: the GPUs torch sees on task 0's host, 1 where there are none."""
         t = self.tasks[0]
-        r = t.host.shell(f"{self.python} -c 'import torch; print(torch.cuda.device_count())'")
+        r = t.host.shell(f"{self.python} -c {shlex.quote(COUNT_GPUS)}")
         count = r.text.strip()
         if r.returncode != 0 or not count.isdigit():
             raise SpeedrunError(f"cannot ask torch on {t.host.name} how many GPUs it has ({self.python}): "
