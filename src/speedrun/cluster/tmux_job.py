@@ -57,6 +57,7 @@ import torch
 print(torch.cuda.device_count())
 """
 
+
 @dataclass(frozen=True)
 class HostSetup:
     """How make_job prepared the job's hosts (tmux server, synced code, setup script): what a host
