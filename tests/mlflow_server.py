@@ -30,6 +30,12 @@ class MLflowServer:
         self.uri = f"http://{host}:{self.port}"
         self.proc: subprocess.Popen | None = None
 
+    def client(self):
+        """MLflow's own client of this server (mlflow.tracking.MlflowClient)."""
+        from mlflow.tracking import MlflowClient
+
+        return MlflowClient(tracking_uri=self.uri)
+
     def start(self) -> MLflowServer:
         log = open(self.root / "server.log", "ab")
         # start_new_session: `kill` ends the server and the workers it forks, as a lost host would.

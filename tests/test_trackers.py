@@ -54,15 +54,9 @@ def mlflow_server(tmp_path_factory):
         yield server
 
 
-def client(server):
-    from mlflow.tracking import MlflowClient
-
-    return MlflowClient(tracking_uri=server.uri)
-
-
 def the_run(server, run_dir):
     """The MLflow run(s) named after `run_dir`, in the default experiment; exactly one is expected."""
-    c = client(server)
+    c = server.client()
     experiment = c.get_experiment_by_name("speedrun")
     runs = c.search_runs([experiment.experiment_id], filter_string=f"attributes.run_name = '{run_dir.name}'")
     assert len(runs) == 1, [r.info.run_id for r in runs]
@@ -70,7 +64,7 @@ def the_run(server, run_dir):
 
 
 def series(server, run_id, key):
-    return [(m.step, m.value) for m in sorted(client(server).get_metric_history(run_id, key), key=lambda m: m.step)]
+    return [(m.step, m.value) for m in sorted(server.client().get_metric_history(run_id, key), key=lambda m: m.step)]
 
 
 @pytest.mark.slow
@@ -81,7 +75,8 @@ def test_a_run_stopped_and_resumed_is_one_tracker_run_read_back_whole_through_ml
     out, env = tmp_path / "tracked", wandb_env(tmp_path)
     args = [*TINY, "--epochs", "2", "--log-every", "5", "--out", str(out)]
     proc = start(*args, "--track", f"mlflow={mlflow_server.uri}", "--track", "wandb=team/bench", env=env)
-    wait_for(lambda: (out / "steps.jsonl").exists() and len(read_jsonl(out / "steps.jsonl")) >= 4, 300, "20 steps")
+    wait_for(lambda: (out / "steps.jsonl").exists() and len(read_jsonl(out / "steps.jsonl")) >= 4, 300,
+             "20 steps (4 logged)")
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == EXIT_RESUMABLE, err
@@ -105,7 +100,7 @@ def test_a_run_stopped_and_resumed_is_one_tracker_run_read_back_whole_through_ml
     assert tags["speedrun.checkpoint"].startswith(str(out / "checkpoint.pt"))
     # Every point as the run's own records have it, at the optimizer step, with no gap or repeat.
     evals, steps = read_jsonl(out / "metrics.jsonl"), read_jsonl(out / "steps.jsonl")
-    logged = {s for s in range(5, evals[-1]["step"] + 1, 5)} | {e["step"] for e in evals} | {stopped_at}
+    logged = set(range(5, evals[-1]["step"] + 1, 5)) | {e["step"] for e in evals} | {stopped_at}
     assert [s["step"] for s in steps] == sorted(logged)  # every 5th step, each epoch's last, the stop's
     for key in ("top1", "top5", "loss"):
         assert series(mlflow_server, run.info.run_id, f"val/{key}") == [(e["step"], e[key]) for e in evals]
@@ -115,9 +110,9 @@ def test_a_run_stopped_and_resumed_is_one_tracker_run_read_back_whole_through_ml
     summary = run.data.metrics
     assert summary["total_s"] == results["total_s"] and summary["best/top1"] == results["best"]["top1"]
     assert summary["epochs_run"] == 2
-    names = {a.path for a in client(mlflow_server).list_artifacts(run.info.run_id)}
+    names = {a.path for a in mlflow_server.client().list_artifacts(run.info.run_id)}
     assert {"accuracy.png", "results.json", "metrics.jsonl"} <= names and "checkpoint.pt" not in names
-    got = client(mlflow_server).download_artifacts(run.info.run_id, "results.json", str(tmp_path))
+    got = mlflow_server.client().download_artifacts(run.info.run_id, "results.json", str(tmp_path))
     assert json.loads(open(got).read()) == results
 
     # W&B offline, read back with wandb's own reader: one file per start, both of the one run
@@ -172,9 +167,9 @@ def test_a_server_killed_mid_run_holds_nothing_up_and_track_sync_fills_the_gap(m
         evals = read_jsonl(out / "metrics.jsonl")
         assert series(server, run.info.run_id, "val/top1") == [(e["step"], e["top1"]) for e in evals]
         # --track-checkpoints: the final checkpoint too, sent with the rest once the server is back.
-        assert {a.path for a in client(server).list_artifacts(run.info.run_id)} >= {"accuracy.png", "results.json",
+        assert {a.path for a in server.client().list_artifacts(run.info.run_id)} >= {"accuracy.png", "results.json",
                                                                                     "checkpoint.pt"}
-        got = client(server).download_artifacts(run.info.run_id, "checkpoint.pt", str(tmp_path))
+        got = server.client().download_artifacts(run.info.run_id, "checkpoint.pt", str(tmp_path))
         assert Path(got).read_bytes() == (out / "checkpoint.pt").read_bytes()
     finally:
         if server.proc is None:  # the module's other tests use it
@@ -219,7 +214,7 @@ def test_an_ablation_is_an_mlflow_parent_with_its_runs_as_children_and_one_wandb
     r = speedrun("ablate", "tiny", "--only", "zero-init", "--epochs", "1", "--device", "cpu", "--out", str(out),
                  "--track", "mlflow", "--track", "wandb", env=env, timeout=600)
     assert r.returncode == 0, r.stderr
-    c = client(mlflow_server)
+    c = mlflow_server.client()
     experiment = c.get_experiment_by_name("ablations").experiment_id
     [parent] = c.search_runs([experiment], "tags.`speedrun.kind` = 'group' and tags.`speedrun.group` = 'abl'")
     assert parent.info.run_name == "abl" and parent.info.status == "FINISHED"

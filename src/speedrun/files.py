@@ -35,6 +35,12 @@ def replacing(path: str | os.PathLike, fsync: bool = False, suffix: str = ".tmp"
         raise
 
 
+def temporaries(folder: Path, name: str = "*", suffix: str = ".tmp") -> list[Path]:
+    """The temporaries `replacing` made for the file `name` in `folder` (every file's by default)
+    that are still there: left by a writer killed mid-write."""
+    return list(folder.glob(f".{name}.*{suffix}"))
+
+
 def write_text(path: str | os.PathLike, text: str) -> None:
     """Replace `path`'s content with `text`, atomically."""
     with replacing(path) as tmp:

@@ -4,7 +4,7 @@
 - refuses an `--out` that is a file or cannot be written to (before any data is loaded);
 - takes an exclusive lock (`RUN_DIR/.lock`, flock): a second run on the same directory is
   refused with one line naming the first; a process that dies (even by SIGKILL) releases it;
-- removes temporary checkpoint files a killed writer left behind;
+- removes the temporaries a killed writer left behind;
 - decides what the directory holds. With `--resume` it must hold a checkpoint. Without, a
   checkpoint or a finished run is never overwritten; what a run left without a checkpoint (it
   was stopped or failed before its first one: logs, events, results) is moved aside to
@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from speedrun import files
 from speedrun.errors import SpeedrunError
 
 if TYPE_CHECKING:  # types only: ablate and the launcher read run directories without torch
@@ -92,12 +93,11 @@ def claim(out: Path, resume: bool) -> RunDir:
 
 
 def _remove_temporaries(out: Path) -> None:
-    """The temporaries a writer killed mid-write left: a file the run writes whole (files.replacing)
-    is written as `.<name>.<random>.tmp` beside it first. Nobody holds them once `out` is claimed."""
-    for name in WRITTEN_WHOLE:
-        for tmp in out.glob(f".{name}.*.tmp"):
-            tmp.unlink(missing_ok=True)
-    for tmp in (out / "trackers").glob(".*.tmp"):  # speedrun.trackers' own folder: all of it is theirs
+    """The temporaries a writer killed mid-write left: a file the run writes whole is written to a
+    temporary beside it first (files.replacing). Nobody holds them once `out` is claimed."""
+    leftovers = [tmp for name in WRITTEN_WHOLE for tmp in files.temporaries(out, name)]
+    leftovers += files.temporaries(out / "trackers")  # speedrun.trackers' own folder: all of it is theirs
+    for tmp in leftovers:
         tmp.unlink(missing_ok=True)
 
 

@@ -94,8 +94,7 @@ def test_two_hosts_train_from_the_cli(netns, shared_dir, job_name, capsys):
                      "--track", f"mlflow={server.uri}")
         assert r.returncode == 0, r.stderr
         # One MLflow run, rank 0's, a child of the job's parent run, tagged with the job and its provider.
-        from mlflow.tracking import MlflowClient
-        client = MlflowClient(tracking_uri=server.uri)
+        client = server.client()
         experiment = client.get_experiment_by_name("speedrun").experiment_id
         group = f"tags.`speedrun.kind` = 'group' and tags.`speedrun.group` = '{job_name}'"
         [parent] = client.search_runs([experiment], group)
